@@ -1,0 +1,59 @@
+"""The K3 reference model over the ``k3::`` ops, and checkpoint loading."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .. import ops  # noqa: F401  (registers the k3:: ops)
+from ..checkpoint.hf import CheckpointError
+from ..checkpoint.loader import load_hf_state_dict
+from ..checkpoint.trtllm import is_trtllm_checkpoint, load_trtllm_state_dict
+from ..ops.common import compute_dtype
+from .caches import K3Caches
+from .k3 import K3ForCausalLM
+from .step import StepInputs, build_step
+
+__all__ = ["K3ForCausalLM", "K3Caches", "StepInputs", "build_step", "load_model", "model_from_state_dict"]
+
+
+def model_from_state_dict(cfg, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16,
+                          device: torch.device | str = "cpu") -> K3ForCausalLM:
+    """Build the model and load ``state`` strictly (every buffer assigned exactly once).
+    Non-bf16 ``dtype`` (fp32, fp64) upcasts the bf16 weights and the fp32 ones follow the
+    compute dtype, so exactness tests can run the whole model in high precision."""
+    with torch.device("meta"):
+        model = K3ForCausalLM(cfg)
+    model = model.to_empty(device=device)
+    expected, given = set(model.state_dict()), set(state)
+    if expected != given:
+        missing, extra = sorted(expected - given), sorted(given - expected)
+        raise CheckpointError(f"model tensors do not match: missing {missing[:10]}, unexpected {extra[:10]}")
+    own = model.state_dict()
+    for name, tensor in state.items():
+        if tuple(own[name].shape) != tuple(tensor.shape):
+            raise CheckpointError(f"tensor {name!r}: shape {list(tensor.shape)}, expected {list(own[name].shape)}")
+    model.load_state_dict(state, strict=True, assign=True)
+    if dtype != torch.bfloat16:
+        for module in model.modules():
+            for name, buf in module.named_buffers(recurse=False):
+                if buf.dtype == torch.bfloat16:
+                    setattr(module, name, buf.to(dtype))
+                elif buf.dtype == torch.float32:
+                    setattr(module, name, buf.to(compute_dtype(dtype)))
+    return model.eval()
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.bfloat16,
+               device: torch.device | str = "cpu") -> K3ForCausalLM:
+    """Load an HF K3 checkpoint or a world-size-1 converted (TensorRT-LLM format) one."""
+    if is_trtllm_checkpoint(path):
+        cfg, state, meta = load_trtllm_state_dict(path, rank=0)
+        if meta["mapping"]["world_size"] != 1:
+            raise CheckpointError(
+                f"{path}: world size {meta['mapping']['world_size']}; the torch reference model runs world size 1 "
+                "(convert with --tp 1 --ep 1, or run the HF checkpoint)"
+            )
+    else:
+        cfg, state = load_hf_state_dict(path)
+    return model_from_state_dict(cfg, state, dtype, device)

@@ -1,0 +1,177 @@
+"""K3 sub-layers over the ``k3::`` ops. Weights are buffers named exactly as the
+TensorRT-LLM checkpoint names them (``checkpoint/mapping.py``), so a converted rank file
+loads with ``load_state_dict(strict=True)``.
+
+Linear layers run in the activation dtype (bf16 in production); every op that the spec
+wants in fp32 does its math in fp32 internally (``ops/``)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.functional import linear
+
+from ..config import K3Config
+from ..ops import contract as C
+from ..ops.common import gated_rms_norm, glu, rms_norm
+from ..ops.registry import call
+from .caches import K3Caches
+from .step import StepInputs
+
+# vLLM hard-codes the KDA output-norm eps (spec §4.5.8); it equals K3's rms_norm_eps.
+KDA_O_NORM_EPS = 1e-5
+
+
+class Weights(nn.Module):
+    """A named bag of tensors (buffers, so uint8/fp32/bf16 mix freely and nothing trains)."""
+
+    def __init__(self, **shapes_and_dtypes):
+        super().__init__()
+        for name, (shape, dtype) in shapes_and_dtypes.items():
+            self.register_buffer(name, torch.empty(shape, dtype=dtype))
+
+
+def _w(shape, dtype=torch.bfloat16):
+    return (tuple(shape), dtype)
+
+
+class KdaAttention(nn.Module):
+    def __init__(self, cfg: K3Config, layer: int):
+        super().__init__()
+        k, d = cfg.kda, cfg.hidden_size
+        P, H, Dk = k.proj_dim, k.num_heads, k.head_dim
+        self.layer, self.k = layer, k
+        self.split = (3 * P, P, Dk, H)  # in_proj rows: q|k|v, output gate, f_a, beta
+        self.in_proj = Weights(weight=_w((sum(self.split), d)))
+        self.conv1d = Weights(weight=_w((3 * P, k.conv_kernel_size), torch.float32))
+        self.f_b = Weights(weight=_w((P, Dk)))
+        self.o_norm = Weights(weight=_w((Dk,)))
+        self.dense = Weights(weight=_w((d, P)))
+        self.register_buffer("A_log", torch.empty(H, dtype=torch.float32))
+        self.register_buffer("dt_bias", torch.empty(P, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, step: StepInputs, caches: K3Caches, decode: bool) -> torch.Tensor:
+        qkv, out_gate, f_a, beta = linear(x, self.in_proj.weight).split(self.split, -1)
+        gate = linear(f_a, self.f_b.weight)
+        op = C.KDA_DECODE if decode else C.KDA_PREFILL
+        o = call(op, qkv.contiguous(), gate, beta.contiguous(), self.conv1d.weight, self.A_log, self.dt_bias,
+                 step.cu_seqlens, step.state_slots, step.has_initial_state,
+                 caches.conv[self.layer], caches.recurrent[self.layer],
+                 self.k.num_heads, self.k.head_dim, self.k.lower_bound or 0.0)
+        T, H, Dk = x.shape[0], self.k.num_heads, self.k.head_dim
+        y = gated_rms_norm(o.view(T, H, Dk), self.o_norm.weight, out_gate.reshape(T, H, Dk), KDA_O_NORM_EPS)
+        return linear(y.reshape(T, H * Dk), self.dense.weight)
+
+
+def rotate_interleaved(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """GPT-J (interleaved pairs) rotary embedding over the last dim, fp32 tables (§4.4.2).
+    Only configs with ``mla_use_nope: false`` use it; K3 is NoPE."""
+    dim = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, dim/2]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (dim // 2,)
+    cos, sin = angles.cos().view(shape), angles.sin().view(shape)
+    x32 = x.to(torch.float32)
+    even, odd = x32[..., 0::2], x32[..., 1::2]
+    out = torch.stack((even * cos - odd * sin, even * sin + odd * cos), -1).flatten(-2)
+    return out.to(x.dtype)
+
+
+class MlaAttention(nn.Module):
+    def __init__(self, cfg: K3Config, layer: int):
+        super().__init__()
+        m, d = cfg.mla, cfg.hidden_size
+        self.layer, self.m, self.eps = layer, m, cfg.rms_norm_eps
+        H = m.num_heads
+        self.split = ((m.q_lora_rank or 0), m.kv_lora_rank, m.qk_rope_head_dim, H * m.v_head_dim if m.use_output_gate else 0)
+        self.fused_a = Weights(weight=_w((sum(self.split), d)))
+        if m.q_lora_rank:
+            self.q_a_layernorm = Weights(weight=_w((m.q_lora_rank,)))
+            self.q_b = Weights(weight=_w((H * m.qk_head_dim, m.q_lora_rank)))
+        else:
+            self.q = Weights(weight=_w((H * m.qk_head_dim, d)))
+        self.kv_a_layernorm = Weights(weight=_w((m.kv_lora_rank,)))
+        self.register_buffer("w_uk", torch.empty(H, m.qk_nope_head_dim, m.kv_lora_rank, dtype=torch.bfloat16))
+        self.register_buffer("w_uv", torch.empty(H, m.v_head_dim, m.kv_lora_rank, dtype=torch.bfloat16))
+        self.dense = Weights(weight=_w((d, H * m.v_head_dim)))
+
+    def forward(self, x: torch.Tensor, step: StepInputs, caches: K3Caches, decode: bool) -> torch.Tensor:
+        m, T = self.m, x.shape[0]
+        c_q, c_kv, k_pe, out_gate = linear(x, self.fused_a.weight).split(self.split, -1)
+        if m.q_lora_rank:
+            q = linear(rms_norm(c_q, self.q_a_layernorm.weight, self.eps), self.q_b.weight)
+        else:
+            q = linear(x, self.q.weight)
+        q = q.view(T, m.num_heads, m.qk_head_dim)
+        if not m.use_nope:
+            q_pe = rotate_interleaved(q[..., m.qk_nope_head_dim:], step.positions, m.rope_theta)
+            q = torch.cat((q[..., : m.qk_nope_head_dim], q_pe), -1)
+            k_pe = rotate_interleaved(k_pe, step.positions, m.rope_theta)
+        latent = torch.cat((rms_norm(c_kv, self.kv_a_layernorm.weight, self.eps), k_pe), -1)
+        op = C.MLA_DECODE if decode else C.MLA_PREFILL
+        o = call(op, q.contiguous(), latent, self.w_uk, self.w_uv, step.cu_seqlens, step.context_lens,
+                 step.block_tables, step.slot_mapping, caches.latent[self.layer],
+                 m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim, m.softmax_scale)
+        if m.use_output_gate:
+            o = (o.float() * torch.sigmoid(out_gate.float())).to(x.dtype)
+        return linear(o, self.dense.weight)
+
+
+class GatedMLP(nn.Module):
+    """Dense MLP and shared experts: ``fc`` = [gate; up] rows, ``proj`` = down (§4.3)."""
+
+    def __init__(self, cfg: K3Config, d: int, inter: int):
+        super().__init__()
+        self.inter, self.act, self.beta, self.lin = inter, cfg.activation_id, cfg.situ_beta, cfg.situ_linear_beta or 0.0
+        self.fc = Weights(weight=_w((2 * inter, d)))
+        self.proj = Weights(weight=_w((d, inter)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, u = linear(x, self.fc.weight).split(self.inter, -1)
+        return linear(glu(g, u, self.act, self.beta, self.lin), self.proj.weight)
+
+
+class LatentMoE(nn.Module):
+    def __init__(self, cfg: K3Config):
+        super().__init__()
+        moe, d = cfg.moe, cfg.hidden_size
+        self.cfg, self.moe = cfg, moe
+        lat, E, inter = moe.latent_size or d, moe.num_experts, moe.moe_intermediate_size
+        self.router = Weights(weight=_w((E, d), torch.float32), e_score_correction_bias=_w((E,), torch.float32))
+        if moe.num_shared_experts:
+            self.shared_experts = GatedMLP(cfg, d, moe.shared_intermediate_size)
+        if moe.latent_size:
+            self.latent_down = Weights(weight=_w((lat, d)))
+            if moe.latent_norm:
+                self.latent_norm = Weights(weight=_w((lat,)))
+            self.latent_up = Weights(weight=_w((d, lat)))
+        self.experts = nn.Module()
+        if moe.mxfp4:
+            self.experts.w13 = Weights(weight_packed=_w((E, 2 * inter, lat // 2), torch.uint8),
+                                       weight_scale=_w((E, 2 * inter, lat // 32), torch.uint8))
+            self.experts.w2 = Weights(weight_packed=_w((E, lat, inter // 2), torch.uint8),
+                                      weight_scale=_w((E, lat, inter // 32), torch.uint8))
+        else:
+            self.experts.w13 = Weights(weight=_w((E, 2 * inter, lat)))
+            self.experts.w2 = Weights(weight=_w((E, lat, inter)))
+        self.expert_offset = 0  # first global expert held here (expert parallelism)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        moe, cfg = self.moe, self.cfg
+        z = linear(x, self.latent_down.weight) if moe.latent_size else x
+        attrs = (moe.num_experts, moe.top_k, moe.num_expert_group, moe.topk_group, self.expert_offset,
+                 0 if moe.scoring == "sigmoid" else 1, int(moe.renormalize), moe.routed_scaling_factor,
+                 cfg.activation_id, cfg.situ_beta, cfg.situ_linear_beta or 0.0)
+        w13, w2 = self.experts.w13, self.experts.w2
+        if moe.mxfp4:
+            r = call(C.SITU_MOE_MXFP4, x, z, self.router.weight, self.router.e_score_correction_bias,
+                     w13.weight_packed, w13.weight_scale, w2.weight_packed, w2.weight_scale, *attrs)
+        else:
+            r = call(C.SITU_MOE, x, z, self.router.weight, self.router.e_score_correction_bias,
+                     w13.weight, w2.weight, *attrs)
+        if moe.latent_size:
+            if moe.latent_norm:
+                r = rms_norm(r, self.latent_norm.weight, cfg.rms_norm_eps)
+            r = linear(r, self.latent_up.weight)
+        if moe.num_shared_experts:
+            r = r + self.shared_experts(x)
+        return r

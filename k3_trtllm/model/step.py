@@ -1,0 +1,80 @@
+"""The step contract (DESIGN §3): what one forward of the engine consumes.
+
+A step is a packed, ragged batch of T tokens from B sequences; prefill chunks and
+decode tokens mix freely. All index tensors are int32. The cache pools are not part
+of the step: the executor owns them (``K3Caches``) and binds them to every step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T] position of each token in its sequence (RoPE configs only)
+    cu_seqlens: torch.Tensor  # [B+1] token offsets of the sequences in this step
+    context_lens: torch.Tensor  # [B] tokens of each sequence already in the caches
+    logits_indices: torch.Tensor  # [B] index (into T) of the token whose logits are returned
+    block_tables: torch.Tensor  # [B, max_blocks] latent-cache blocks of each sequence
+    slot_mapping: torch.Tensor  # [T] latent-cache slot (block*block_size+offset) of each token
+    state_slots: torch.Tensor  # [B] KDA conv/recurrent state row of each sequence
+    has_initial_state: torch.Tensor  # [B] 1 where the KDA state row holds earlier tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.cu_seqlens.shape[0]) - 1
+
+    def is_pure_decode(self) -> bool:
+        """Every sequence contributes exactly one token and continues a cached context."""
+        return self.num_tokens == self.num_seqs and bool((self.context_lens > 0).all())
+
+    def to(self, device: torch.device | str) -> "StepInputs":
+        return StepInputs(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+def build_step(
+    seqs: list[tuple[list[int], int, int, list[int]]],
+    block_size: int,
+    logits_all: bool = False,
+) -> StepInputs:
+    """Build a step from ``(new_token_ids, context_len, state_slot, block_table)`` per
+    sequence. Positions continue from ``context_len``; ``has_initial_state`` is set
+    where ``context_len > 0``. With ``logits_all`` every token's logits are requested
+    (T rows instead of B), which tests use to compare whole prefills."""
+    ids, pos, cu, ctx, slots, slotmap, last = [], [], [0], [], [], [], []
+    max_blocks = max(1, max(len(s[3]) for s in seqs))
+    tables = []
+    for new_ids, context_len, state_slot, table in seqs:
+        if not new_ids:
+            raise ValueError("every sequence in a step needs at least one new token")
+        n_total = context_len + len(new_ids)
+        if n_total > len(table) * block_size:
+            raise ValueError(f"block table of {len(table)} blocks cannot hold {n_total} tokens")
+        ids.extend(new_ids)
+        for p in range(context_len, n_total):
+            pos.append(p)
+            slotmap.append(table[p // block_size] * block_size + p % block_size)
+        cu.append(len(ids))
+        ctx.append(context_len)
+        slots.append(state_slot)
+        last.append(len(ids) - 1)
+        tables.append(list(table) + [0] * (max_blocks - len(table)))
+    i32 = torch.int32
+    return StepInputs(
+        input_ids=torch.tensor(ids, dtype=i32),
+        positions=torch.tensor(pos, dtype=i32),
+        cu_seqlens=torch.tensor(cu, dtype=i32),
+        context_lens=torch.tensor(ctx, dtype=i32),
+        logits_indices=torch.arange(len(ids), dtype=i32) if logits_all else torch.tensor(last, dtype=i32),
+        block_tables=torch.tensor(tables, dtype=i32),
+        slot_mapping=torch.tensor(slotmap, dtype=i32),
+        state_slots=torch.tensor(slots, dtype=i32),
+        has_initial_state=torch.tensor([1 if c > 0 else 0 for c in ctx], dtype=i32),
+    )
