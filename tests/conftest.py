@@ -1,8 +1,9 @@
 """Shared fixtures: synthetic checkpoints are written once per session (they are cheap but
-every model test needs one)."""
+every model test needs one); every test runs torch single-threaded."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from k3_trtllm.checkpoint.synth import synth_checkpoint
 
@@ -19,3 +20,13 @@ def ckpt_dir(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    # Tiny tensors: intra-op threads only spin against each other on a shared 2-core
+    # CI machine (measured 10x slower), so the whole suite runs single-threaded.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

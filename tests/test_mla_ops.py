@@ -289,7 +289,6 @@ def _bad_inputs():
             args[at(name)] = make(args[at(name)])
         return edit
 
-    i32 = torch.int32
     return [
         ("q", replace("q", lambda t: t[:, :-1])),
         ("q", replace("q", lambda t: t[:, :, :-1])),

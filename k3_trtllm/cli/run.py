@@ -1,0 +1,190 @@
+"""``k3-trt run``: generate with the inflight-batching engine."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+DTYPES = ("bfloat16", "float32")
+SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos"}
+
+
+def engine_options(fn):
+    """Options that size and shape the engine; shared with ``k3-trt bench``."""
+    options = [
+        click.option("--dtype", type=click.Choice(DTYPES), default="bfloat16", show_default=True,
+                     help="Activation and cache dtype."),
+        click.option("--device", default=None, help="Torch device [default: cuda if available, else cpu]."),
+        click.option("--max-batch-size", type=click.IntRange(min=1), default=64, show_default=True,
+                     help="Most sequences running at once."),
+        click.option("--max-num-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
+                     help="Most tokens in one step; longer prompts are prefilled in chunks."),
+        click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True,
+                     help="Tokens per latent-cache block."),
+        click.option("--max-seq-len", type=click.IntRange(min=2), default=4096, show_default=True,
+                     help="Most prompt + generated tokens of one request (also caps the blocks that "
+                          "--cache-memory-gb allocates)."),
+        click.option("--num-blocks", type=click.IntRange(min=1), default=None,
+                     help="Latent-cache blocks (instead of deriving them from --cache-memory-gb)."),
+        click.option("--max-slots", type=click.IntRange(min=1), default=None,
+                     help="KDA state rows (instead of deriving them from --cache-memory-gb)."),
+        click.option("--cache-memory-gb", type=click.FloatRange(min=0, min_open=True), default=None,
+                     help="Memory for latent-cache blocks and KDA state rows together [default: 2 unless "
+                          "both --num-blocks and --max-slots are given]."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def build_engine_from_options(model_dir: str, *, dtype: str, device: str | None, max_batch_size: int,
+                              max_num_tokens: int, block_size: int, max_seq_len: int, num_blocks: int | None,
+                              max_slots: int | None, cache_memory_gb: float | None, seed: int | None = None):
+    import torch
+
+    from k3_trtllm.runtime.engine import build_engine
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if cache_memory_gb is None and (num_blocks is None or max_slots is None):
+        cache_memory_gb = 2.0
+    try:
+        return build_engine(model_dir, dtype=getattr(torch, dtype), device=device, block_size=block_size,
+                            max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
+                            num_blocks=num_blocks,
+                            max_slots=max_slots, cache_memory_gb=cache_memory_gb, seed=seed)
+    except (ValueError, OSError, RuntimeError) as e:  # config/checkpoint errors are ValueErrors
+        raise click.ClickException(f"cannot load {model_dir}: {e}") from e
+
+
+def parse_ids(text: str, what: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: expected comma-separated integers", param_hint=what) from None
+    if not ids:
+        raise click.BadParameter(f"{text!r}: no token ids", param_hint=what)
+    return ids
+
+
+def read_prompts_file(path: str) -> list[tuple[str | list[int], dict]]:
+    """JSONL lines ``{"prompt": text}`` or ``{"prompt_ids": [...]}`` plus optional
+    sampling keys; returns ``(prompt, sampling overrides)``."""
+    requests = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise click.ClickException(f"{where}: not JSON ({e})") from e
+        if not isinstance(item, dict) or ("prompt" in item) == ("prompt_ids" in item):
+            raise click.ClickException(f"{where}: expected an object with exactly one of 'prompt' or 'prompt_ids'")
+        unknown = set(item) - {"prompt", "prompt_ids"} - SAMPLING_KEYS
+        if unknown:
+            raise click.ClickException(f"{where}: unknown keys {sorted(unknown)}; allowed: prompt, prompt_ids, "
+                                       f"{', '.join(sorted(SAMPLING_KEYS))}")
+        prompt = item.pop("prompt", None)
+        if prompt is None:
+            prompt = item.pop("prompt_ids")
+            if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+                raise click.ClickException(f"{where}: 'prompt_ids' must be a list of integers")
+        elif not isinstance(prompt, str):
+            raise click.ClickException(f"{where}: 'prompt' must be a string")
+        requests.append((prompt, item))
+    return requests
+
+
+class _StreamPrinter:
+    """Prints each request's new text as it arrives, holding back an incomplete
+    UTF-8 character until the token that completes it."""
+
+    def __init__(self, engine, index_of: dict[int, int], out) -> None:
+        self.engine, self.index_of, self.out = engine, index_of, out
+        self.ids: dict[int, list[int]] = {rid: [] for rid in index_of}
+        self.shown: dict[int, int] = {rid: 0 for rid in index_of}
+
+    def __call__(self, output) -> None:
+        rid = output.request_id
+        self.ids[rid].extend(output.new_token_ids)
+        ids = self.ids[rid]
+        if output.finish_reason in ("stop", "eos"):
+            ids = ids[:-1]
+        text = self.engine.tokenizer.decode(ids)
+        if text.endswith("\ufffd") and not output.finished:
+            text = text[:-1]
+        piece, self.shown[rid] = text[self.shown[rid]:], max(self.shown[rid], len(text))
+        if piece:
+            click.echo(f"[{self.index_of[rid]}] {piece}", file=self.out)
+        if output.finished:
+            click.echo(f"[{self.index_of[rid]}] <{output.finish_reason}>", file=self.out)
+
+
+@click.command()
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--prompt", "prompts", multiple=True, help="A text prompt (repeatable).")
+@click.option("--prompt-ids", "prompt_ids", multiple=True, help="A prompt as comma-separated token ids (repeatable).")
+@click.option("--prompts-file", type=click.Path(exists=True, dir_okay=False),
+              help='JSONL: {"prompt": ...} or {"prompt_ids": [...]} per line, optionally with sampling keys '
+                   "(max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, ignore_eos).")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="0 is greedy.")
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 disables.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None, help="Makes sampled runs reproducible (each request gets its "
+              "own seed from it, in order).")
+@click.option("--stop-ids", default=None, help="Comma-separated token ids that end a request.")
+@click.option("--ignore-eos", is_flag=True, help="Do not stop at the model's EOS token.")
+@engine_options
+@click.option("--stream/--no-stream", default=None, help="Print text as it is generated, one piece per line "
+              "prefixed by [request index] [default: on, off with --json; with --json it goes to stderr].")
+@click.option("--json", "as_json", is_flag=True, help="Print ids, text, latencies and totals as JSON.")
+def run(model_dir, prompts, prompt_ids, prompts_file, max_new_tokens, temperature, top_k, top_p, seed,
+        stop_ids, ignore_eos, stream, as_json, **engine_kwargs):
+    """Generate completions for prompts with the inflight-batching engine."""
+    from k3_trtllm.runtime.sampling import SamplingParams
+
+    requests: list[tuple[str | list[int], dict]] = [(p, {}) for p in prompts]
+    requests += [(parse_ids(p, "--prompt-ids"), {}) for p in prompt_ids]
+    if prompts_file:
+        requests += read_prompts_file(prompts_file)
+    if not requests:
+        raise click.UsageError("give at least one prompt: --prompt, --prompt-ids or --prompts-file")
+    defaults = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                    stop_token_ids=tuple(parse_ids(stop_ids, "--stop-ids")) if stop_ids else (),
+                    ignore_eos=ignore_eos)
+    try:
+        params = [SamplingParams(**{**defaults, **overrides}) for _, overrides in requests]
+    except (TypeError, ValueError) as e:
+        raise click.ClickException(f"bad sampling parameters: {e}") from e
+
+    engine = build_engine_from_options(model_dir, seed=seed, **engine_kwargs)
+    ids = []
+    for i, ((prompt, _), p) in enumerate(zip(requests, params)):
+        try:
+            ids.append(engine.add_request(prompt, p))
+        except ValueError as e:
+            raise click.ClickException(f"prompt {i}: {e}") from e
+    index_of = {rid: i for i, rid in enumerate(ids)}
+    if stream is None:
+        stream = not as_json
+    printer = _StreamPrinter(engine, index_of, sys.stderr if as_json else sys.stdout) if stream else None
+    for output in engine.follow(ids):
+        if printer:
+            printer(output)
+    results = [engine.take_result(rid) for rid in ids]
+
+    if as_json:
+        click.echo(json.dumps({
+            "outputs": [{"prompt_ids": r.prompt_token_ids, "output_ids": r.output_token_ids, "text": r.text,
+                         "finish_reason": r.finish_reason, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s,
+                         "preemptions": r.num_preemptions} for r in results],
+            "totals": engine.summary(),
+        }))
+    elif not stream:
+        for i, r in enumerate(results):
+            click.echo(f"[{i}] {r.text}")

@@ -1,0 +1,263 @@
+"""LLMEngine: requests in, tokens out, one scheduler step at a time."""
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from k3_trtllm.model import K3Caches, load_model
+from k3_trtllm.runtime.block_manager import BlockManager
+from k3_trtllm.runtime.cache_budget import size_pools
+from k3_trtllm.runtime.executor import Executor, TorchExecutor
+from k3_trtllm.runtime.model_runner import ModelRunner
+from k3_trtllm.runtime.sampler import Sampler
+from k3_trtllm.runtime.sampling import SamplingParams
+from k3_trtllm.runtime.scheduler import Scheduler
+from k3_trtllm.runtime.sequence import Sequence
+from k3_trtllm.runtime.state_slots import StateSlots
+from k3_trtllm.runtime.stats import EngineStats, summarize
+from k3_trtllm.runtime.tokenizer import Tokenizer, load_tokenizer
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_blocks: int
+    max_slots: int
+    block_size: int = 16
+    max_batch_size: int = 64
+    max_num_tokens: int = 2048
+    max_seq_len: int | None = None  # prompt + output tokens of one request; None: the pool bounds it
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """Tokens one request produced in one step."""
+
+    request_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class CompletedRequest:
+    request_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    ttft_s: float | None
+    tpot_s: float | None
+    num_preemptions: int
+
+
+class LLMEngine:
+    """Inflight batching: a request added between steps joins the next one, a finished
+    one frees its blocks and state slot at once. Not thread-safe: call it from one
+    thread (a server wraps it in a loop)."""
+
+    def __init__(self, executor: Executor, config: EngineConfig, *, eos_token_ids: Iterable[int] = (),
+                 tokenizer: Tokenizer | None = None, seed: int | None = None, clock=time.perf_counter) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.scheduler = Scheduler(BlockManager(config.num_blocks, config.block_size),
+                                   StateSlots(config.max_slots), config.max_batch_size,
+                                   config.max_num_tokens, self.eos_token_ids)
+        self.runner = ModelRunner(executor, config.block_size)
+        self.vocab_size = executor.vocab_size
+        self.sampler = Sampler()
+        # Requests without a seed get one from here, in arrival order, so that an
+        # engine seed makes a whole run reproducible.
+        self._seeds = random.Random(seed) if seed is not None else None
+        self.clock = clock
+        self.stats = EngineStats()
+        self._next_id = 0
+        self._unfinished: dict[int, Sequence] = {}
+        self._finished: dict[int, Sequence] = {}
+
+    # -- requests ------------------------------------------------------------------
+
+    def add_request(self, prompt: Prompt, sampling: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> int:
+        """Queue a request (text needs the tokenizer); it joins the next step.
+        ``arrival_time`` (engine clock) backdates it, for latency accounting."""
+        ids = self._encode(prompt)
+        sampling = sampling or SamplingParams()
+        limit = self.config.max_seq_len
+        if limit is not None and len(ids) + sampling.max_new_tokens > limit:
+            raise ValueError(f"prompt of {len(ids)} tokens + max_new_tokens {sampling.max_new_tokens} exceeds "
+                             f"max_seq_len {limit}")
+        if sampling.seed is None and self._seeds is not None and not sampling.is_greedy:
+            sampling = dataclasses.replace(sampling, seed=self._seeds.getrandbits(63))
+        seq = Sequence(self._next_id, ids, sampling, self.clock() if arrival_time is None else arrival_time)
+        self.scheduler.add(seq)
+        self._next_id += 1
+        self._unfinished[seq.seq_id] = seq
+        return seq.seq_id
+
+    def abort(self, request_id: int) -> bool:
+        """Stop a request now; its blocks and slot are free for the next step. Returns
+        False when it is unknown or already finished."""
+        seq = self._unfinished.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.abort(seq, self.clock())
+        self._finished[request_id] = seq
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._unfinished)
+
+    def take_result(self, request_id: int) -> CompletedRequest:
+        """The result of a finished request (the engine forgets it afterwards)."""
+        seq = self._finished.pop(request_id, None)
+        if seq is None:
+            state = "unfinished" if request_id in self._unfinished else "unknown"
+            raise ValueError(f"request {request_id} is {state}")
+        out = seq.output_token_ids
+        if seq.finish_reason in ("stop", "eos"):
+            out_text_ids = out[:-1]  # the stop token is in the ids but not in the text
+        else:
+            out_text_ids = out
+        return CompletedRequest(
+            request_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids, output_token_ids=out,
+            text=self.tokenizer.decode(out_text_ids) if self.tokenizer else None,
+            finish_reason=seq.finish_reason, ttft_s=seq.ttft_s, tpot_s=seq.tpot_s,
+            num_preemptions=seq.num_preemptions)
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    # -- stepping ------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the tokens each request gained (at most one each)."""
+        stats = self.stats
+        wall0, cpu0 = self.clock(), time.thread_time()
+        batch = self.scheduler.schedule()
+        cpu_schedule = time.thread_time() - cpu0
+        if not batch:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler found nothing to run for the unfinished requests")
+            return []
+        logits = self.runner.run(batch)
+        tokens = self.sampler.sample(logits, batch.sampling)
+        cpu1 = time.thread_time()
+        now = self.clock()
+        results = self.scheduler.postprocess(batch, tokens, now)
+        stats.scheduler_cpu_s.append(cpu_schedule + time.thread_time() - cpu1)
+        stats.step_wall_s.append(now - wall0)
+        stats.batch_per_step.append(len(batch.entries))
+        stats.num_steps += 1
+        stats.computed_tokens += batch.num_tokens
+        stats.generated_tokens += len(tokens)
+        stats.first_step_time = wall0 if stats.first_step_time is None else stats.first_step_time
+        stats.last_step_time = now
+        blocks, slots = self.scheduler.blocks, self.scheduler.slots
+        stats.peak_blocks_in_use = max(stats.peak_blocks_in_use, blocks.num_used)
+        stats.peak_slots_in_use = max(stats.peak_slots_in_use, slots.num_used)
+        stats.peak_batch = max(stats.peak_batch, len(batch.entries))
+        outputs = []
+        for r in results:
+            rid = r.seq.seq_id
+            if r.finished:
+                self._finished[rid] = self._unfinished.pop(rid)
+            outputs.append(RequestOutput(rid, [r.new_token_id], r.finished, r.seq.finish_reason))
+        return outputs
+
+    def follow(self, request_ids: Iterable[int]) -> Iterator[RequestOutput]:
+        """Step until the given requests finish (or are aborted), yielding their tokens
+        as they come; other requests in flight advance too."""
+        pending = set(request_ids)
+        while pending:
+            for out in self.step():
+                if out.request_id in pending:
+                    yield out
+            pending &= self._unfinished.keys()
+
+    def stream(self, prompts: Iterable[Prompt],
+               sampling: SamplingParams | list[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+        """Add ``prompts`` (request ids are handed out in prompt order) and yield their
+        tokens as steps produce them."""
+        yield from self.follow(self._add_all(prompts, sampling))
+
+    def generate(self, prompts: Iterable[Prompt],
+                 sampling: SamplingParams | list[SamplingParams] | None = None) -> list[CompletedRequest]:
+        """Run ``prompts`` to completion, batched inflight; results in prompt order."""
+        ids = self._add_all(prompts, sampling)
+        for _ in self.follow(ids):
+            pass
+        return [self.take_result(rid) for rid in ids]
+
+    def _add_all(self, prompts, sampling) -> list[int]:
+        prompts = list(prompts)
+        if isinstance(sampling, list):
+            if len(sampling) != len(prompts):
+                raise ValueError(f"got {len(sampling)} sampling params for {len(prompts)} prompts")
+            per_prompt = sampling
+        else:
+            per_prompt = [sampling] * len(prompts)
+        return [self.add_request(p, s) for p, s in zip(prompts, per_prompt)]
+
+    # -- stats ---------------------------------------------------------------------
+
+    def reset_stats(self) -> None:
+        self.stats = EngineStats()
+        self.scheduler.num_preemptions = 0
+
+    def summary(self) -> dict:
+        stats = self.stats
+        blocks, slots = self.scheduler.blocks, self.scheduler.slots
+        elapsed = None
+        if stats.first_step_time is not None:
+            elapsed = stats.last_step_time - stats.first_step_time
+        return {
+            "steps": stats.num_steps,
+            "computed_tokens": stats.computed_tokens,
+            "generated_tokens": stats.generated_tokens,
+            "elapsed_s": elapsed,
+            "generated_tokens_per_s": stats.generated_tokens / elapsed if elapsed else None,
+            "preemptions": self.scheduler.num_preemptions,
+            "blocks": {"total": blocks.num_blocks, "in_use": blocks.num_used, "peak": stats.peak_blocks_in_use},
+            "slots": {"total": slots.max_slots, "in_use": slots.num_used, "peak": stats.peak_slots_in_use},
+            "peak_batch": stats.peak_batch,
+            "scheduler_cpu_ms_per_step": summarize(stats.scheduler_cpu_s, 1e3),
+            "step_ms": summarize(stats.step_wall_s, 1e3),
+        }
+
+
+def build_engine(model_dir: str, *, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
+                 block_size: int = 16, max_batch_size: int = 64, max_num_tokens: int = 2048,
+                 max_seq_len: int = 4096, num_blocks: int | None = None, max_slots: int | None = None,
+                 cache_memory_gb: float | None = None, seed: int | None = None) -> LLMEngine:
+    """Load a checkpoint, size and allocate its cache pools, and wrap it in an engine."""
+    model = load_model(model_dir, dtype=dtype, device=device)
+    cfg = model.config
+    pools = size_pools(K3Caches.bytes_per_block(cfg, block_size, dtype), K3Caches.bytes_per_slot(cfg, dtype),
+                       block_size=block_size, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                       cache_memory_gb=cache_memory_gb, num_blocks=num_blocks, max_slots=max_slots)
+    caches = K3Caches.allocate(cfg, pools.num_blocks, block_size, pools.max_slots, dtype, device)
+    executor = TorchExecutor(model, caches, device)
+    config = EngineConfig(num_blocks=pools.num_blocks, max_slots=pools.max_slots, block_size=block_size,
+                          max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len)
+    eos = cfg.eos_token_id
+    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+    return LLMEngine(executor, config, eos_token_ids=eos_ids, tokenizer=load_tokenizer(model_dir), seed=seed)

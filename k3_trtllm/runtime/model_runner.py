@@ -1,0 +1,33 @@
+"""The one place that turns scheduled sequences into step tensors and runs them."""
+from __future__ import annotations
+
+import torch
+
+from k3_trtllm.model.step import build_step
+from k3_trtllm.runtime.executor import Executor
+from k3_trtllm.runtime.scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, executor: Executor, block_size: int) -> None:
+        self.executor = executor
+        self.block_size = block_size
+
+    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Run ``batch``; return fp32 logits ``[len(batch.sampling), vocab]``, one row per
+        sampling sequence in order. A prefill chunk that leaves part of its prompt for a
+        later step asks for no logits."""
+        step = build_step(
+            [(seq.token_ids[seq.num_cached_tokens: seq.num_cached_tokens + n], seq.num_cached_tokens,
+              seq.state_slot, seq.block_table) for seq, n in batch.entries],
+            self.block_size,
+        )
+        if len(batch.sampling) != len(batch.entries):
+            samples = [n == seq.num_uncached_tokens for seq, n in batch.entries]
+            last_tokens = step.cu_seqlens[1:] - 1
+            step.logits_indices = last_tokens[torch.tensor(samples, dtype=torch.bool)]
+        logits = self.executor.execute(step)
+        if logits.shape[0] != len(batch.sampling):
+            raise ValueError(f"executor returned logits of shape {tuple(logits.shape)}; "
+                             f"expected {len(batch.sampling)} rows")
+        return logits
