@@ -12,8 +12,14 @@ archs="${K3_CUDA_ARCHS:-90a}"
 mkdir -p "$out/obj"
 gencode=()
 for a in $archs; do gencode+=("-gencode" "arch=compute_${a},code=sm_${a}"); done
+shopt -s nullglob
+sources=("$here"/plugins/kernels/*.cu)
+if [[ ${#sources[@]} -eq 0 ]]; then
+  echo "no kernel sources in plugins/kernels/" >&2
+  exit 1
+fi
 objs=()
-for src in "$here"/plugins/kernels/*.cu; do
+for src in "${sources[@]}"; do
   obj="$out/obj/$(basename "${src%.cu}").o"
   "$nvcc" -std=c++17 -O3 -Xcompiler -fPIC --expt-relaxed-constexpr -lineinfo \
     "${gencode[@]}" -I"$here/plugins/include" -c "$src" -o "$obj"

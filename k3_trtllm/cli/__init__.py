@@ -11,6 +11,8 @@ _SUBCOMMANDS = {
     "synth": "k3_trtllm.cli.synth:synth",
     "run": "k3_trtllm.cli.run:run",
     "bench": "k3_trtllm.cli.bench:bench",
+    "serve": "k3_trtllm.cli.serve:serve",
+    "triton-repo": "k3_trtllm.cli.serve:triton_repo",
 }
 
 
