@@ -1,0 +1,272 @@
+"""MLA kernels on the GPU: decode (absorbed, paged) and prefill, against FlashMLA and torch.
+
+    python bench/mla_bench.py --out DIR [--flashmla path/_flashmla_C.abi3.so]
+
+Writes DIR/mla_h200.json and DIR/mla_h200.png. Decode bandwidth counts the latent cache
+bytes that must be read once (B * L * (R+Dr) * 2), over the time of the attention part
+alone (FlashMLA's scope: q_lat in, a_lat out) and of the whole decode op (cache insert,
+q_nope·W_UK, attention, ·W_UV), as TB/s and as a fraction of a device-to-device copy
+measured in the same run. Small caches rotate over copies so that L2 does not serve them.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import math
+import statistics
+import subprocess
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from k3_trtllm.kernels import mla as cuda_mla
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = sorted([*ROOT.glob("plugins/include/k3/mla/*.cuh"), ROOT / "plugins/kernels/mla.cu",
+                  ROOT / "k3_trtllm/kernels/mla.py", ROOT / "bench/mla_bench.py"])
+NOPE, ROPE, RANK, VDIM = 128, 64, 512, 128
+WIDTH = RANK + ROPE
+SCALE = (NOPE + ROPE) ** -0.5
+BLOCK = 64
+DECODE_SHAPES = [(64, 8192, 96), (64, 8192, 12), (256, 8192, 16), (1, 32768, 128), (128, 2048, 128)]
+PREFILL_T = [2048, 16384]
+PREFILL_HEADS = [96, 12]
+
+
+def time_ms(fn, reps=20, warmup=3):
+    """Median of per-call device-event timings; fn(i) gets the call index (for rotation)."""
+    for i in range(warmup):
+        fn(i)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(i)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth():
+    n = 2 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda i: dst.copy_(src), reps=20)
+    return 2 * n / ms / 1e9  # TB/s (read + write)
+
+
+def rel_err(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def decode_case(batch, length, heads, copy_tbps, flashmla):
+    gen = torch.Generator(device="cuda").manual_seed(batch * 7 + heads)
+    blocks_per_seq = length // BLOCK
+    num_blocks = batch * blocks_per_seq
+    cache_bytes = num_blocks * BLOCK * WIDTH * 2
+    copies = max(1, math.ceil((256 << 20) / cache_bytes))
+    caches = [torch.randn(num_blocks, BLOCK, WIDTH, generator=gen, device="cuda").to(torch.bfloat16)
+              for _ in range(copies)]
+    block_tables = torch.randperm(num_blocks, generator=gen, device="cuda").to(torch.int32).view(batch, -1)
+    context = torch.full((batch,), length - 1, dtype=torch.int32, device="cuda")
+    cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    last = length - 1
+    slots = (block_tables[:, last // BLOCK].long() * BLOCK + last % BLOCK).to(torch.int32)
+    q = torch.randn(batch, heads, NOPE + ROPE, generator=gen, device="cuda").to(torch.bfloat16)
+    latent = torch.randn(batch, WIDTH, generator=gen, device="cuda").to(torch.bfloat16)
+    w_uk = (torch.randn(heads, NOPE, RANK, generator=gen, device="cuda") / NOPE ** 0.5).to(torch.bfloat16)
+    w_uv = (torch.randn(heads, VDIM, RANK, generator=gen, device="cuda") / RANK ** 0.5).to(torch.bfloat16)
+    q_lat = torch.einsum("bhd,hdr->bhr", q[..., :NOPE], w_uk).contiguous()
+    attrs = (heads, NOPE, ROPE, RANK, VDIM, SCALE)
+    latent_bytes = batch * length * WIDTH * 2
+    row = dict(batch=batch, context=length, heads=heads, latent_bytes=latent_bytes, l2_rotation_copies=copies)
+
+    def ours_attn(i):
+        return cuda_mla.latent_attention(q_lat, q, cu, context, block_tables, caches[i % copies], NOPE, SCALE)
+
+    def ours_whole(i):
+        return cuda_mla.mla_decode_cuda(q, latent, w_uk, w_uv, cu, context, block_tables, slots,
+                                        caches[i % copies], *attrs)
+
+    slot_index = (block_tables.long()[:, :, None] * BLOCK + torch.arange(BLOCK, device="cuda")).view(batch, -1)
+
+    def eager_attn(i, ql=None):
+        kv = caches[i % copies].view(-1, WIDTH)[slot_index]  # [B, L, 576]
+        query = torch.cat([q_lat if ql is None else ql, q[..., NOPE:]], dim=-1)
+        scores = torch.bmm(query, kv.transpose(1, 2)).float() * SCALE
+        probs = torch.softmax(scores, dim=-1).to(torch.bfloat16)
+        return torch.bmm(probs, kv[..., :RANK])
+
+    def eager_whole(i):
+        caches[i % copies].view(-1, WIDTH)[slots.long()] = latent
+        ql = torch.einsum("bhd,hdr->bhr", q[..., :NOPE], w_uk)
+        a = eager_attn(i, ql)
+        return torch.einsum("bhr,hvr->bhv", a, w_uv).reshape(batch, -1)
+
+    want = eager_attn(0)
+    row["ours_vs_eager_rel_err"] = rel_err(ours_attn(0), want)
+    timings = {"ours_attn": time_ms(ours_attn), "ours_whole": time_ms(ours_whole),
+               "eager_attn": time_ms(eager_attn, reps=5), "eager_whole": time_ms(eager_whole, reps=5)}
+
+    if flashmla:
+        q_cat = torch.cat([q_lat, q[..., NOPE:]], dim=-1).view(batch, 1, heads, WIDTH)
+        seqlens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+        state = {}
+
+        def fm_attn(i, query=q_cat):
+            out, _, meta, splits = torch.ops._flashmla_C.dense_decode_fwd(
+                query, caches[i % copies].view(num_blocks, BLOCK, 1, WIDTH), RANK, seqlens, block_tables,
+                SCALE, False, state.get("meta"), state.get("splits"), None)
+            state["meta"], state["splits"] = meta, splits
+            return out
+
+        def fm_whole(i):
+            caches[i % copies].view(-1, WIDTH)[slots.long()] = latent
+            ql = torch.einsum("bhd,hdr->bhr", q[..., :NOPE], w_uk)
+            out = fm_attn(i, torch.cat([ql, q[..., NOPE:]], dim=-1).view(batch, 1, heads, WIDTH))
+            return torch.einsum("bhr,hvr->bhv", out.view(batch, heads, RANK), w_uv).reshape(batch, -1)
+
+        try:
+            row["flashmla_vs_eager_rel_err"] = rel_err(fm_attn(0).view(batch, heads, RANK), want)
+            timings["flashmla_attn"] = time_ms(fm_attn)
+            timings["flashmla_whole"] = time_ms(fm_whole)
+        except Exception as exc:  # record why the peer did not run, keep our numbers
+            row["flashmla_error"] = repr(exc)[:300]
+
+    for name, ms in timings.items():
+        row[f"{name}_us"] = ms * 1e3
+        row[f"{name}_tbps"] = latent_bytes / ms / 1e9
+        row[f"{name}_copy_frac"] = row[f"{name}_tbps"] / copy_tbps
+    return row
+
+
+def prefill_case(tokens, heads):
+    gen = torch.Generator(device="cuda").manual_seed(tokens + heads)
+    blocks = tokens // BLOCK
+    cache = torch.zeros(blocks, BLOCK, WIDTH, device="cuda", dtype=torch.bfloat16)
+    block_tables = torch.arange(blocks, dtype=torch.int32, device="cuda").view(1, -1)
+    q = torch.randn(tokens, heads, NOPE + ROPE, generator=gen, device="cuda").to(torch.bfloat16)
+    latent = torch.randn(tokens, WIDTH, generator=gen, device="cuda").to(torch.bfloat16)
+    w_uk = (torch.randn(heads, NOPE, RANK, generator=gen, device="cuda") / NOPE ** 0.5).to(torch.bfloat16)
+    w_uv = (torch.randn(heads, VDIM, RANK, generator=gen, device="cuda") / RANK ** 0.5).to(torch.bfloat16)
+    cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
+    context = torch.zeros(1, dtype=torch.int32, device="cuda")
+    slots = torch.arange(tokens, dtype=torch.int32, device="cuda")
+    attrs = (heads, NOPE, ROPE, RANK, VDIM, SCALE)
+
+    def ours(i):
+        return cuda_mla.mla_prefill_cuda(q, latent, w_uk, w_uv, cu, context, block_tables, slots, cache, *attrs)
+
+    def expand():
+        c_kv, k_pe = latent[:, :RANK], latent[:, RANK:]
+        k_nope = torch.einsum("tr,hdr->htd", c_kv, w_uk)
+        k = torch.cat([k_nope, k_pe[None].expand(heads, -1, -1)], dim=-1)[None]
+        v = torch.einsum("tr,hvr->htv", c_kv, w_uv)[None]
+        return q.transpose(0, 1)[None], k, v
+
+    qs, ks, vs = expand()
+
+    def sdpa_attn(i):
+        return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=SCALE)
+
+    def sdpa_whole(i):
+        qq, kk, vv = expand()
+        return F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=SCALE)
+
+    row = dict(tokens=tokens, heads=heads)
+    want = sdpa_attn(0)[0].transpose(0, 1).reshape(tokens, -1)
+    row["ours_vs_sdpa_rel_err"] = rel_err(ours(0), want)
+    reps = 5 if tokens > 4096 else 10
+    for name, fn in (("ours_whole", ours), ("sdpa_attn", sdpa_attn), ("sdpa_whole", sdpa_whole)):
+        ms = time_ms(fn, reps=reps, warmup=2)
+        row[f"{name}_ms"] = ms
+        row[f"{name}_mtok_s"] = tokens / ms / 1e3
+    return row
+
+
+def source_hash():
+    digest = hashlib.sha256()
+    for path in SOURCES:
+        digest.update(path.relative_to(ROOT).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def commit_id():
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", *map(str, SOURCES)],
+                               capture_output=True, text=True).stdout.strip()
+        return "uncommitted" if out.returncode or dirty else out.stdout.strip()
+    except OSError:
+        return "uncommitted"
+
+
+def plot(result, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = result["decode"]
+    labels = [f"B{r['batch']} L{r['context']} H{r['heads']}" for r in rows]
+    series = [("ours_attn", "ours (attention)"), ("flashmla_attn", "FlashMLA (attention)"),
+              ("ours_whole", "ours (whole decode)"), ("flashmla_whole", "FlashMLA + torch bmm (whole)"),
+              ("eager_attn", "torch eager (attention)")]
+    fig, ax = plt.subplots(figsize=(11, 5))
+    width = 0.16
+    for k, (key, name) in enumerate(series):
+        vals = [r.get(f"{key}_tbps", 0.0) for r in rows]
+        ax.bar([i + (k - 2) * width for i in range(len(rows))], vals, width, label=name)
+    ax.axhline(result["copy_tbps"], color="k", linestyle="--", linewidth=1, label="device copy")
+    ax.set_xticks(range(len(rows)), labels)
+    ax.set_ylabel("latent-cache TB/s")
+    ax.set_title(f"MLA decode, bf16 latent 576, block 64 — {result['gpu']} ({result['date']})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--flashmla", type=Path, default=ROOT / ".carry/_flashmla_C.abi3.so")
+    parser.add_argument("--skip-prefill", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    flashmla = args.flashmla.exists()
+    if flashmla:
+        torch.ops.load_library(str(args.flashmla))
+    copy_tbps = copy_bandwidth()
+    result = dict(commit=commit_id(), source_hash=source_hash(), gpu=torch.cuda.get_device_name(),
+                  date=datetime.date.today().isoformat(), torch=torch.__version__, copy_tbps=copy_tbps,
+                  decode=[], prefill=[])
+    print(f"copy {copy_tbps:.2f} TB/s")
+    for shape in DECODE_SHAPES:
+        row = decode_case(*shape, copy_tbps, flashmla)
+        torch.cuda.empty_cache()  # the next shape's caches are large
+        result["decode"].append(row)
+        print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+        (args.out / "mla_h200.json").write_text(json.dumps(result, indent=1))
+    if not args.skip_prefill:
+        for heads in PREFILL_HEADS:
+            for tokens in PREFILL_T:
+                row = prefill_case(tokens, heads)
+                result["prefill"].append(row)
+                print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                      flush=True)
+                (args.out / "mla_h200.json").write_text(json.dumps(result, indent=1))
+    plot(result, args.out / "mla_h200.png")
+    print("decode summary (TB/s, fraction of copy):")
+    for r in result["decode"]:
+        print(f"  B={r['batch']:4d} L={r['context']:6d} H={r['heads']:4d}  ours attn {r['ours_attn_tbps']:.2f} "
+              f"({r['ours_attn_copy_frac']:.0%})  whole {r['ours_whole_tbps']:.2f}  FlashMLA attn "
+              f"{r.get('flashmla_attn_tbps', float('nan')):.2f}  eager {r['eager_attn_tbps']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

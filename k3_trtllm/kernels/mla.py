@@ -1,0 +1,129 @@
+"""CUDA implementations of ``k3::mla_prefill`` and ``k3::mla_decode`` (ctypes over
+``libk3_kernels.so``, sources in ``plugins/kernels/mla.cu``).
+
+Importing this module registers both kernels for CUDA tensors. They take bf16 tensors;
+other dtypes (the fp32/fp64 exactness checks) fall through to the reference ops. Both
+ops run the exact absorbed form (insert latents, q_nope·W_UK, MQA over the paged latent
+cache, ·W_UV), so prefill also covers chunked prefill.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..ops import registry
+from ..ops.contract import MLA_DECODE, MLA_PREFILL
+from ..ops.mla import op as _reference  # importing defines the k3::mla_* ops
+from . import check, load_library
+
+SUPPORTED_DIMS = ((512, 64), (64, 16))  # (kv_lora_rank, qk_rope_head_dim)
+
+_LIB = load_library()
+_p, _i, _f, _sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
+for _name in ("k3_mla_decode", "k3_mla_prefill"):
+    _fn = getattr(_LIB, _name)
+    _fn.argtypes = [_p] * 10 + [_i] * 9 + [_f, _p, _sz, _p]
+    _fn.restype = _i
+_LIB.k3_mla_workspace_size.argtypes = [_i] * 5
+_LIB.k3_mla_workspace_size.restype = _sz
+_LIB.k3_mla_latent_attention.argtypes = [_p] * 7 + [_i] * 8 + [_f, _p, _sz, _p]
+_LIB.k3_mla_latent_attention.restype = _i
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_kernel_inputs(tensors: dict[str, torch.Tensor], rank: int, rope: int, nope: int, v_dim: int) -> None:
+    _require((rank, rope) in SUPPORTED_DIMS,
+             f"kv_lora_rank/qk_rope_head_dim: CUDA kernels support {SUPPORTED_DIMS}, got {(rank, rope)}")
+    _require(nope % 32 == 0, f"qk_nope_head_dim: CUDA kernels need a multiple of 32, got {nope}")
+    _require(v_dim % 8 == 0, f"v_head_dim: CUDA kernels need a multiple of 8, got {v_dim}")
+    for name, t in tensors.items():
+        _require(t.is_contiguous(), f"{name}: CUDA kernels need a contiguous tensor")
+        _require(t.data_ptr() % 16 == 0, f"{name}: CUDA kernels need 16-byte alignment")
+
+
+def _workspace(num_tokens: int, num_heads: int, rank: int, block_tables: torch.Tensor,
+               block_size: int, device: torch.device) -> torch.Tensor:
+    size = _LIB.k3_mla_workspace_size(num_tokens, num_heads, rank, block_tables.shape[1], block_size)
+    return torch.empty(max(size, 1), dtype=torch.uint8, device=device)
+
+
+def _run(entry, reference, q, latent, w_uk, w_uv, cu_seqlens, context_lens, block_tables, slot_mapping,
+         latent_cache, num_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, v_head_dim,
+         softmax_scale):
+    args = (q, latent, w_uk, w_uv, cu_seqlens, context_lens, block_tables, slot_mapping, latent_cache,
+            num_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, v_head_dim, softmax_scale)
+    floats = (q, latent, w_uk, w_uv, latent_cache)
+    if any(t.dtype != torch.bfloat16 for t in floats):
+        return reference(*args)
+    num_tokens, num_seqs = q.shape[0], context_lens.shape[0]
+    _require(tuple(q.shape) == (num_tokens, num_heads, qk_nope_head_dim + qk_rope_head_dim),
+             f"q: expected [T, {num_heads}, {qk_nope_head_dim + qk_rope_head_dim}], got {tuple(q.shape)}")
+    _require(tuple(latent.shape) == (num_tokens, kv_lora_rank + qk_rope_head_dim),
+             f"latent: expected [{num_tokens}, {kv_lora_rank + qk_rope_head_dim}], got {tuple(latent.shape)}")
+    _require(tuple(w_uk.shape) == (num_heads, qk_nope_head_dim, kv_lora_rank),
+             f"w_uk: expected [{num_heads}, {qk_nope_head_dim}, {kv_lora_rank}], got {tuple(w_uk.shape)}")
+    _require(tuple(w_uv.shape) == (num_heads, v_head_dim, kv_lora_rank),
+             f"w_uv: expected [{num_heads}, {v_head_dim}, {kv_lora_rank}], got {tuple(w_uv.shape)}")
+    _require(latent_cache.dim() == 3 and latent_cache.shape[2] == kv_lora_rank + qk_rope_head_dim,
+             f"latent_cache: expected [blocks, block_size, {kv_lora_rank + qk_rope_head_dim}]")
+    _require(tuple(cu_seqlens.shape) == (num_seqs + 1,) and block_tables.shape[0] == num_seqs,
+             "cu_seqlens/block_tables: expected [B+1] and [B, max_blocks] with B = len(context_lens)")
+    for name, t in (("cu_seqlens", cu_seqlens), ("context_lens", context_lens),
+                    ("block_tables", block_tables), ("slot_mapping", slot_mapping)):
+        _require(t.dtype == torch.int32, f"{name}: expected int32, got {t.dtype}")
+    _check_kernel_inputs({"q": q, "latent": latent, "w_uk": w_uk, "w_uv": w_uv, "block_tables": block_tables,
+                          "latent_cache": latent_cache}, kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim,
+                         v_head_dim)
+    out = torch.empty((num_tokens, num_heads * v_head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    block_size = latent_cache.shape[1]
+    with torch.cuda.device(q.device):  # the launcher sizes splits for, and launches on, the current device
+        ws = _workspace(num_tokens, num_heads, kv_lora_rank, block_tables, block_size, q.device)
+        status = entry(
+            q.data_ptr(), latent.data_ptr(), w_uk.data_ptr(), w_uv.data_ptr(), cu_seqlens.data_ptr(),
+            context_lens.data_ptr(), block_tables.data_ptr(), slot_mapping.data_ptr(), latent_cache.data_ptr(),
+            out.data_ptr(), num_tokens, num_seqs, block_tables.shape[1], block_size, num_heads, qk_nope_head_dim,
+            qk_rope_head_dim, kv_lora_rank, v_head_dim, float(softmax_scale), ws.data_ptr(), ws.numel(),
+            torch.cuda.current_stream(q.device).cuda_stream)
+    check(status, entry.__name__)
+    return out
+
+
+def mla_decode_cuda(*args) -> torch.Tensor:
+    return _run(_LIB.k3_mla_decode, _reference.mla_decode, *args)
+
+
+def mla_prefill_cuda(*args) -> torch.Tensor:
+    return _run(_LIB.k3_mla_prefill, _reference.mla_prefill, *args)
+
+
+def latent_attention(q_lat: torch.Tensor, q: torch.Tensor, cu_seqlens: torch.Tensor, context_lens: torch.Tensor,
+                     block_tables: torch.Tensor, latent_cache: torch.Tensor, qk_nope_head_dim: int,
+                     softmax_scale: float) -> torch.Tensor:
+    """The attention part alone (no cache insert, no W_UK / W_UV): ``a_lat [T, H, R]``
+    from ``q_lat [T, H, R]`` and ``q_pe = q[..., qk_nope_head_dim:]`` (bf16)."""
+    num_tokens, num_heads, rank = q_lat.shape
+    rope = q.shape[2] - qk_nope_head_dim
+    _check_kernel_inputs({"q_lat": q_lat, "q": q, "block_tables": block_tables, "latent_cache": latent_cache},
+                         rank, rope, qk_nope_head_dim, 8)
+    a_lat = torch.empty_like(q_lat)
+    block_size = latent_cache.shape[1]
+    with torch.cuda.device(q.device):
+        ws = _workspace(num_tokens, num_heads, rank, block_tables, block_size, q.device)
+        status = _LIB.k3_mla_latent_attention(
+            q_lat.data_ptr(), q.data_ptr(), cu_seqlens.data_ptr(), context_lens.data_ptr(),
+            block_tables.data_ptr(), latent_cache.data_ptr(), a_lat.data_ptr(), num_tokens, context_lens.shape[0],
+            block_tables.shape[1], block_size, num_heads, qk_nope_head_dim, rope, rank, float(softmax_scale),
+            ws.data_ptr(), ws.numel(), torch.cuda.current_stream(q.device).cuda_stream)
+    check(status, "k3_mla_latent_attention")
+    return a_lat
+
+
+registry.register_kernel(MLA_DECODE, "CUDA", mla_decode_cuda)
+registry.register_kernel(MLA_PREFILL, "CUDA", mla_prefill_cuda)

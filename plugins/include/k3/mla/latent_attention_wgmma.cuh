@@ -1,0 +1,202 @@
+// Hopper (sm_90a) absorbed MLA attention for the K3 latent (R = 512, Dr = 64): the same
+// work split and outputs as latent_attention_kernel (one token x 64 heads x one KV split
+// per CTA, split-KV partials merged by combine_splits_kernel), on warpgroup MMAs.
+//
+// Two warpgroups; each computes the full 64x64 score tile S = Q·Kᵀ (wgmma, both operands
+// in 128B-swizzled shared memory), the fp32 online softmax in registers, and P·V for its
+// half of the 512 latent output columns with P taken straight from the score registers
+// (m64n256k16, V read transposed from the same KV tile). Computing S twice costs ~30%
+// more MMA work but needs no exchange of probabilities between the warpgroups.
+#pragma once
+
+#include <cmath>
+
+#include "k3/mla/latent_attention.cuh"
+#include "k3/mla/wgmma.cuh"
+
+namespace k3::mla {
+
+struct WgmmaAttentionConfig {
+  static constexpr int R = 512, DR = 64, D = R + DR;
+  static constexpr int M = 64;                  // heads per CTA: one wgmma row block
+  static constexpr int NT = 64;                 // KV tokens per tile
+  static constexpr int THREADS = 256;           // two warpgroups, R/2 output columns each
+  static constexpr int CHUNKS = D / 8;          // 16-byte chunks per row
+  static constexpr int BLOCK_ELEMS = 64 * 64;   // one swizzled column block: 64 rows x 128 B
+  static constexpr int TILE_ELEMS = (D / 64) * BLOCK_ELEMS;
+  static constexpr size_t TILE_BYTES = size_t(TILE_ELEMS) * 2;
+  static constexpr size_t SMEM_BYTES = 3 * TILE_BYTES + 1024;  // Q + two KV stages + alignment
+};
+
+// Element offset of 16-byte chunk c of row r in a tile of swizzled column blocks.
+__device__ __forceinline__ int sw128_offset(int row, int chunk) {
+  return (chunk >> 3) * WgmmaAttentionConfig::BLOCK_ELEMS + row * 64 + (((chunk & 7) ^ (row & 7)) << 3);
+}
+
+__global__ void __launch_bounds__(256, 1) latent_attention_wgmma_kernel(const LatentAttentionParams p) {
+  using C = WgmmaAttentionConfig;
+  constexpr int R = C::R, NT = C::NT;
+  extern __shared__ unsigned char smem_raw[];
+  // wgmma's swizzle atoms must be 1024-byte aligned in the shared window.
+  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  bf16* s_q = reinterpret_cast<bf16*>(smem);
+  bf16* s_kv = s_q + C::TILE_ELEMS;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wg = warp >> 2, wq = warp & 3;
+  const int g = lane >> 2, cq = lane & 3;
+  const int head_group = blockIdx.x % p.head_groups;
+  const int rest = blockIdx.x / p.head_groups;
+  const int split = rest % p.num_splits;
+  const int token = rest / p.num_splits;
+
+  int lo = 0, hi = p.num_seqs - 1;  // last b with cu_seqlens[b] <= token
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (__ldg(p.cu_seqlens + mid) <= token) lo = mid; else hi = mid - 1;
+  }
+  const int seq = lo;
+  const int position = __ldg(p.context_lens + seq) + token - __ldg(p.cu_seqlens + seq);
+  const int kv_begin = split * p.split_tokens;
+  const int kv_end = min(position + 1, kv_begin + p.split_tokens);
+  const int n_tiles = kv_end > kv_begin ? (kv_end - kv_begin + NT - 1) / NT : 0;
+  const int head0 = head_group * C::M;
+  const int* block_row = p.block_tables + static_cast<int64_t>(seq) * p.max_blocks;
+
+  for (int id = tid; id < C::M * C::CHUNKS; id += C::THREADS) {
+    const int row = id / C::CHUNKS, ch = id % C::CHUNKS, head = head0 + row;
+    const bool ok = head < p.num_heads;
+    const int64_t th = static_cast<int64_t>(token) * p.num_heads + head;
+    const bf16* src = !ok ? p.q_lat
+                      : ch < R / 8 ? p.q_lat + th * R + ch * 8
+                                   : p.q + th * p.q_head_stride + p.rope_offset + (ch - R / 8) * 8;
+    cp_async16(s_q + sw128_offset(row, ch), src, ok ? 16 : 0);
+  }
+
+  auto load_tile = [&](int tile, int stage) {
+    const int row = tid >> 2, part = tid & 3;
+    const int pos = kv_begin + tile * NT + row;
+    const bool ok = pos < kv_end;
+    const bf16* src = p.cache;
+    if (ok) {
+      const int block = __ldg(block_row + pos / p.block_size);
+      src = p.cache + (static_cast<int64_t>(block) * p.block_size + pos % p.block_size) * C::D;
+    }
+    bf16* dst = s_kv + stage * C::TILE_ELEMS;
+#pragma unroll
+    for (int ch = part; ch < C::CHUNKS; ch += 4)
+      cp_async16(dst + sw128_offset(row, ch), src + (ok ? ch * 8 : 0), ok ? 16 : 0);
+  };
+
+  if (n_tiles > 0) load_tile(0, 0);
+  cp_async_commit();
+
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // rows g and g+8
+
+  for (int it = 0; it < n_tiles; ++it) {
+    if (it + 1 < n_tiles) load_tile(it + 1, (it + 1) & 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    fence_proxy_async();
+    __syncthreads();
+    const bf16* kv = s_kv + (it & 1) * C::TILE_ELEMS;
+
+    float s[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) s[i] = 0.f;
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < C::D / 16; ++k) {
+      const int off = (k >> 2) * C::BLOCK_ELEMS + (k & 3) * 16;
+      wgmma_m64n64k16_ss(s, sw128_desc(s_q + off, 16, 1024), sw128_desc(kv + off, 16, 1024), k > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+
+    // Online softmax (log2 domain). This thread holds rows g, g+8 of its warp's 16 rows,
+    // columns 8j + 2cq + {0,1}; the 4 lanes of a quad share the rows.
+    const int valid = kv_end - (kv_begin + it * NT);
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int idx = 4 * j + 2 * r + e;
+          s[idx] = 8 * j + 2 * cq + e < valid ? s[idx] * p.scale_log2 : -INFINITY;
+          mx = fmaxf(mx, s[idx]);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run[r], mx);
+      alpha[r] = m_run[r] == -INFINITY ? 0.f : exp2f(m_run[r] - m_new);
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int idx = 4 * j + 2 * r + e;
+          s[idx] = s[idx] == -INFINITY ? 0.f : exp2f(s[idx] - m_new);
+          sum += s[idx];
+        }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      l_run[r] = l_run[r] * alpha[r] + sum;
+      m_run[r] = m_new;
+    }
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      o[4 * j] *= alpha[0]; o[4 * j + 1] *= alpha[0];
+      o[4 * j + 2] *= alpha[1]; o[4 * j + 3] *= alpha[1];
+    }
+    // Score accumulators of tokens 16kk..16kk+15 are exactly the A fragment of k-step kk.
+    uint32_t pf[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      pf[kk][0] = pack_bf16(s[8 * kk + 0], s[8 * kk + 1]);
+      pf[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
+      pf[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
+      pf[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      // V = c_kv columns [256 wg, 256 wg + 256): column blocks 4wg..4wg+3 (8192 B apart),
+      // tokens 16kk.. (8-token groups 1024 B apart).
+      wgmma_m64n256k16_rs_mn(o, pf[kk], sw128_desc(kv + 4 * wg * C::BLOCK_ELEMS + kk * 16 * 64, 8192, 1024));
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    __syncthreads();  // both warpgroups are done with this stage before it is refilled
+  }
+  cp_async_wait<0>();
+
+  const int64_t rows = static_cast<int64_t>(p.num_tokens) * p.num_heads;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int head = head0 + 16 * wq + g + 8 * r;
+    if (head >= p.num_heads) continue;
+    const float l = l_run[r];
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int64_t out_row = static_cast<int64_t>(token) * p.num_heads + head;
+    if (p.num_splits > 1 && wg == 0 && cq == 0)
+      p.lse_part[split * rows + out_row] = l > 0.f ? m_run[r] + log2f(l) : -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int col = wg * (R / 2) + 8 * j + 2 * cq;
+      const float x0 = o[4 * j + 2 * r] * inv, x1 = o[4 * j + 2 * r + 1] * inv;
+      if (p.num_splits == 1) {
+        *reinterpret_cast<uint32_t*>(p.a_lat + out_row * R + col) = pack_bf16(x0, x1);
+      } else {
+        *reinterpret_cast<float2*>(p.o_part + (split * rows + out_row) * R + col) = make_float2(x0, x1);
+      }
+    }
+  }
+}
+
+}  // namespace k3::mla

@@ -1,0 +1,307 @@
+// C-ABI launchers of the K3 MLA ops (contract MLA_PREFILL / MLA_DECODE, spec §4.4, §6.1).
+//
+// Both ops run the absorbed form, which is exact (spec §4.4.5): insert this step's latent
+// rows at slot_mapping, q_lat = q_nope·W_UK per head, causal MQA over the paged latent
+// cache (split-KV + combine), out = a_lat·W_UV^T per head. Prefill therefore also serves
+// chunked prefill (context already cached) and any mix of new-token counts per sequence.
+//
+// Supported: bf16 tensors, (kv_lora_rank, qk_rope_head_dim) in {(512, 64), (64, 16)},
+// qk_nope_head_dim % 32 == 0, v_head_dim % 8 == 0, any block_size >= 1; every tensor
+// contiguous and 16-byte aligned. Other shapes return cudaErrorInvalidValue.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "k3/mla/head_gemm.cuh"
+#include "k3/mla/insert.cuh"
+#include "k3/mla/latent_attention.cuh"
+#include "k3/mla/latent_attention_wgmma.cuh"
+
+namespace {
+
+using k3::mla::bf16;
+
+constexpr int kTileTokens = 64;
+
+struct SplitPlan {
+  int heads_per_cta;
+  int head_groups;
+  int num_splits;
+  int split_tokens;
+};
+
+// Up to 16 heads: the mma.sync kernel, 16 heads per CTA (the wgmma kernel would pad them
+// to 64 rows; measured 2.59 vs 1.94 TB/s at B=64, L=8192, H=12). More heads: warpgroup
+// MMAs, 64 heads per CTA, for the K3 latent (R = 512); the mma.sync kernel with 32 heads
+// per CTA for other latent widths.
+int heads_per_cta(int rank, int num_heads) {
+  if (num_heads <= 16) return 16;
+  return rank == 512 ? 64 : 32;
+}
+
+int sm_count() {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 132;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 132;
+  return sms;
+}
+
+// The key range of a CTA is split so that the grid fills whole waves (one CTA per SM:
+// each uses ~190-210 KB of shared memory). The longest possible sequence is the block
+// table's width; the cost model is waves x tokens per split, ties going to fewer splits
+// (each split costs an extra fp32 partial output and a combine pass).
+SplitPlan plan_splits(int num_tokens, int num_heads, int rank, int max_blocks, int block_size) {
+  SplitPlan plan{};
+  plan.heads_per_cta = heads_per_cta(rank, num_heads);
+  plan.head_groups = (num_heads + plan.heads_per_cta - 1) / plan.heads_per_cta;
+  const int64_t max_kv = std::max<int64_t>(1, static_cast<int64_t>(max_blocks) * block_size);
+  const int64_t base = std::max<int64_t>(1, static_cast<int64_t>(num_tokens) * plan.head_groups);
+  const int64_t sms = sm_count();
+  const int64_t max_splits = std::min<int64_t>(1024, (max_kv + 2 * kTileTokens - 1) / (2 * kTileTokens));
+  double best_cost = 0.0;
+  plan.num_splits = 1;
+  plan.split_tokens = static_cast<int>((max_kv + kTileTokens - 1) / kTileTokens * kTileTokens);
+  for (int64_t s = 1; s <= std::max<int64_t>(1, max_splits); ++s) {
+    const int64_t chunk = ((max_kv + s - 1) / s + kTileTokens - 1) / kTileTokens * kTileTokens;
+    const int64_t splits = (max_kv + chunk - 1) / chunk;
+    const int64_t waves = (base * splits + sms - 1) / sms;
+    const double cost = static_cast<double>(waves) * static_cast<double>(chunk + kTileTokens);
+    if (s == 1 || cost < 0.97 * best_cost) {
+      best_cost = cost;
+      plan.num_splits = static_cast<int>(splits);
+      plan.split_tokens = static_cast<int>(chunk);
+    }
+    if (base * splits >= 8 * sms) break;  // enough parallelism; more splits only add merges
+  }
+  return plan;
+}
+
+size_t align256(size_t x) { return (x + 255) / 256 * 256; }
+
+struct Workspace {
+  bf16* q_lat;
+  bf16* a_lat;
+  float* o_part;
+  float* lse_part;
+  size_t bytes;
+};
+
+Workspace carve(void* base, int num_tokens, int num_heads, int rank, const SplitPlan& plan) {
+  const size_t rows = static_cast<size_t>(num_tokens) * num_heads;
+  const size_t lat = align256(rows * rank * sizeof(bf16));
+  const size_t part = plan.num_splits > 1 ? align256(plan.num_splits * rows * rank * sizeof(float)) : 0;
+  const size_t lse = plan.num_splits > 1 ? align256(plan.num_splits * rows * sizeof(float)) : 0;
+  char* p = static_cast<char*>(base);
+  Workspace ws{};
+  ws.q_lat = reinterpret_cast<bf16*>(p);
+  ws.a_lat = reinterpret_cast<bf16*>(p + lat);
+  ws.o_part = reinterpret_cast<float*>(p + 2 * lat);
+  ws.lse_part = reinterpret_cast<float*>(p + 2 * lat + part);
+  ws.bytes = 2 * lat + part + lse;
+  return ws;
+}
+
+bool supported(int rank, int rope, int nope, int v_dim) {
+  const bool dims = (rank == 512 && rope == 64) || (rank == 64 && rope == 16);
+  return dims && nope > 0 && nope % 32 == 0 && v_dim > 0 && v_dim % 8 == 0;
+}
+
+template <int R, int DR, int MT>
+cudaError_t launch_attention_mt(const k3::mla::LatentAttentionParams& p, cudaStream_t stream) {
+  using C = k3::mla::LatentAttentionConfig<R, DR, MT>;
+  auto kernel = k3::mla::latent_attention_kernel<R, DR, MT>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(C::SMEM_BYTES));
+  if (err != cudaSuccess) return err;
+  const int64_t ctas = static_cast<int64_t>(p.num_tokens) * p.num_splits * p.head_groups;
+  kernel<<<static_cast<unsigned>(ctas), C::THREADS, C::SMEM_BYTES, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_attention_wgmma(const k3::mla::LatentAttentionParams& p, cudaStream_t stream) {
+  using C = k3::mla::WgmmaAttentionConfig;
+  cudaError_t err = cudaFuncSetAttribute(k3::mla::latent_attention_wgmma_kernel,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(C::SMEM_BYTES));
+  if (err != cudaSuccess) return err;
+  const int64_t ctas = static_cast<int64_t>(p.num_tokens) * p.num_splits * p.head_groups;
+  k3::mla::latent_attention_wgmma_kernel<<<static_cast<unsigned>(ctas), C::THREADS, C::SMEM_BYTES, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <int R, int DR>
+cudaError_t launch_attention(const k3::mla::LatentAttentionParams& p, int heads_per_cta,
+                             cudaStream_t stream) {
+  cudaError_t err = heads_per_cta == 64 ? launch_attention_wgmma(p, stream)
+                    : heads_per_cta == 16 ? launch_attention_mt<R, DR, 1>(p, stream)
+                                          : launch_attention_mt<R, DR, 2>(p, stream);
+  if (err != cudaSuccess || p.num_splits == 1) return err;
+  const int64_t rows = static_cast<int64_t>(p.num_tokens) * p.num_heads;
+  k3::mla::combine_splits_kernel<R><<<static_cast<unsigned>(rows), R / 4, 0, stream>>>(
+      p.o_part, p.lse_part, p.a_lat, rows, p.num_splits);
+  return cudaGetLastError();
+}
+
+// Absorbed attention in latent space: a_lat = softmax(scale·[q_lat|q_pe]·cacheᵀ)·c_kv.
+cudaError_t latent_attention(const bf16* q_lat, const bf16* q, const int* cu_seqlens,
+                             const int* context_lens, const int* block_tables, const bf16* cache,
+                             bf16* a_lat, const Workspace& ws, const SplitPlan& plan, int num_tokens,
+                             int num_seqs, int max_blocks, int block_size, int num_heads, int nope,
+                             int rope, int rank, float softmax_scale, cudaStream_t stream) {
+  k3::mla::LatentAttentionParams p{};
+  p.q_lat = q_lat;
+  p.q = q;
+  p.cache = cache;
+  p.cu_seqlens = cu_seqlens;
+  p.context_lens = context_lens;
+  p.block_tables = block_tables;
+  p.a_lat = a_lat;
+  p.o_part = ws.o_part;
+  p.lse_part = ws.lse_part;
+  p.num_tokens = num_tokens;
+  p.num_seqs = num_seqs;
+  p.num_heads = num_heads;
+  p.q_head_stride = nope + rope;
+  p.rope_offset = nope;
+  p.max_blocks = max_blocks;
+  p.block_size = block_size;
+  p.head_groups = plan.head_groups;
+  p.num_splits = plan.num_splits;
+  p.split_tokens = plan.split_tokens;
+  p.scale_log2 = softmax_scale * 1.4426950408889634f;
+  return rank == 512 ? launch_attention<512, 64>(p, plan.heads_per_cta, stream)
+                     : launch_attention<64, 16>(p, plan.heads_per_cta, stream);
+}
+
+template <bool kBStoredNK>
+cudaError_t head_gemm(const k3::mla::HeadGemmParams& p, int heads, cudaStream_t stream) {
+  dim3 grid((p.n + k3::mla::kGemmBN - 1) / k3::mla::kGemmBN, (p.m + k3::mla::kGemmBM - 1) / k3::mla::kGemmBM,
+            heads);
+  k3::mla::head_gemm_kernel<kBStoredNK><<<grid, k3::mla::kGemmThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t mla_forward(const void* q, const void* latent, const void* w_uk, const void* w_uv,
+                        const int* cu_seqlens, const int* context_lens, const int* block_tables,
+                        const int* slot_mapping, void* latent_cache, void* out, int num_tokens,
+                        int num_seqs, int max_blocks, int block_size, int num_heads, int nope,
+                        int rope, int rank, int v_dim, float softmax_scale, void* workspace,
+                        size_t workspace_bytes, cudaStream_t stream) {
+  if (!supported(rank, rope, nope, v_dim) || num_heads <= 0 || num_seqs <= 0 || block_size <= 0 ||
+      max_blocks <= 0 || num_tokens < 0)
+    return cudaErrorInvalidValue;
+  if (num_tokens == 0) return cudaSuccess;
+  const SplitPlan plan = plan_splits(num_tokens, num_heads, rank, max_blocks, block_size);
+  const Workspace ws = carve(workspace, num_tokens, num_heads, rank, plan);
+  if (workspace == nullptr || workspace_bytes < ws.bytes) return cudaErrorInvalidValue;
+  const int width = rank + rope;
+  const bf16* qb = static_cast<const bf16*>(q);
+  bf16* cache = static_cast<bf16*>(latent_cache);
+
+  k3::mla::insert_latents_kernel<<<num_tokens, 64, 0, stream>>>(static_cast<const bf16*>(latent), slot_mapping,
+                                                                 cache, width);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+
+  k3::mla::HeadGemmParams absorb{};
+  absorb.a = qb;
+  absorb.lda = static_cast<int64_t>(num_heads) * (nope + rope);
+  absorb.a_head = nope + rope;
+  absorb.b = static_cast<const bf16*>(w_uk);
+  absorb.ldb = rank;
+  absorb.b_head = static_cast<int64_t>(nope) * rank;
+  absorb.c = ws.q_lat;
+  absorb.ldc = static_cast<int64_t>(num_heads) * rank;
+  absorb.c_head = rank;
+  absorb.m = num_tokens;
+  absorb.n = rank;
+  absorb.k = nope;
+  if ((err = head_gemm<false>(absorb, num_heads, stream)) != cudaSuccess) return err;
+
+  err = latent_attention(ws.q_lat, qb, cu_seqlens, context_lens, block_tables, cache, ws.a_lat, ws, plan,
+                         num_tokens, num_seqs, max_blocks, block_size, num_heads, nope, rope, rank,
+                         softmax_scale, stream);
+  if (err != cudaSuccess) return err;
+
+  k3::mla::HeadGemmParams up{};
+  up.a = ws.a_lat;
+  up.lda = static_cast<int64_t>(num_heads) * rank;
+  up.a_head = rank;
+  up.b = static_cast<const bf16*>(w_uv);
+  up.ldb = rank;
+  up.b_head = static_cast<int64_t>(v_dim) * rank;
+  up.c = static_cast<bf16*>(out);
+  up.ldc = static_cast<int64_t>(num_heads) * v_dim;
+  up.c_head = v_dim;
+  up.m = num_tokens;
+  up.n = v_dim;
+  up.k = rank;
+  return head_gemm<true>(up, num_heads, stream);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Workspace bytes of k3_mla_prefill / k3_mla_decode for these sizes (same for both).
+size_t k3_mla_workspace_size(int num_tokens, int num_heads, int kv_lora_rank, int max_blocks, int block_size) {
+  if (num_tokens <= 0 || num_heads <= 0 || max_blocks <= 0 || block_size <= 0) return 0;
+  const SplitPlan plan = plan_splits(num_tokens, num_heads, kv_lora_rank, max_blocks, block_size);
+  return carve(nullptr, num_tokens, num_heads, kv_lora_rank, plan).bytes;
+}
+
+size_t k3_mla_decode_workspace_size(int num_tokens, int num_heads, int kv_lora_rank, int max_blocks,
+                                    int block_size) {
+  return k3_mla_workspace_size(num_tokens, num_heads, kv_lora_rank, max_blocks, block_size);
+}
+
+size_t k3_mla_prefill_workspace_size(int num_tokens, int num_heads, int kv_lora_rank, int max_blocks,
+                                     int block_size) {
+  return k3_mla_workspace_size(num_tokens, num_heads, kv_lora_rank, max_blocks, block_size);
+}
+
+// Argument order follows the contract: inputs, outputs, sizes, attributes, workspace, stream.
+int k3_mla_decode(const void* q, const void* latent, const void* w_uk, const void* w_uv, const int* cu_seqlens,
+                  const int* context_lens, const int* block_tables, const int* slot_mapping, void* latent_cache,
+                  void* out, int num_tokens, int num_seqs, int max_blocks, int block_size, int num_heads,
+                  int qk_nope_head_dim, int qk_rope_head_dim, int kv_lora_rank, int v_head_dim,
+                  float softmax_scale, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  return mla_forward(q, latent, w_uk, w_uv, cu_seqlens, context_lens, block_tables, slot_mapping, latent_cache,
+                     out, num_tokens, num_seqs, max_blocks, block_size, num_heads, qk_nope_head_dim,
+                     qk_rope_head_dim, kv_lora_rank, v_head_dim, softmax_scale, workspace, workspace_bytes, stream);
+}
+
+int k3_mla_prefill(const void* q, const void* latent, const void* w_uk, const void* w_uv, const int* cu_seqlens,
+                   const int* context_lens, const int* block_tables, const int* slot_mapping, void* latent_cache,
+                   void* out, int num_tokens, int num_seqs, int max_blocks, int block_size, int num_heads,
+                   int qk_nope_head_dim, int qk_rope_head_dim, int kv_lora_rank, int v_head_dim,
+                   float softmax_scale, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  return mla_forward(q, latent, w_uk, w_uv, cu_seqlens, context_lens, block_tables, slot_mapping, latent_cache,
+                     out, num_tokens, num_seqs, max_blocks, block_size, num_heads, qk_nope_head_dim,
+                     qk_rope_head_dim, kv_lora_rank, v_head_dim, softmax_scale, workspace, workspace_bytes, stream);
+}
+
+// The attention part alone (FlashMLA's scope), for benchmarks and callers that do the W_UK /
+// W_UV products themselves: a_lat [T,H,R] from q_lat [T,H,R] and q_pe = q[:, :, nope:].
+int k3_mla_latent_attention(const void* q_lat, const void* q, const int* cu_seqlens, const int* context_lens,
+                            const int* block_tables, const void* latent_cache, void* a_lat, int num_tokens,
+                            int num_seqs, int max_blocks, int block_size, int num_heads, int qk_nope_head_dim,
+                            int qk_rope_head_dim, int kv_lora_rank, float softmax_scale, void* workspace,
+                            size_t workspace_bytes, cudaStream_t stream) {
+  if (!supported(kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, 8) || num_heads <= 0 || num_seqs <= 0 ||
+      block_size <= 0 || max_blocks <= 0 || num_tokens < 0)
+    return cudaErrorInvalidValue;
+  if (num_tokens == 0) return cudaSuccess;
+  const SplitPlan plan = plan_splits(num_tokens, num_heads, kv_lora_rank, max_blocks, block_size);
+  const Workspace ws = carve(workspace, num_tokens, num_heads, kv_lora_rank, plan);
+  if (workspace == nullptr || workspace_bytes < ws.bytes) return cudaErrorInvalidValue;
+  return latent_attention(static_cast<const bf16*>(q_lat), static_cast<const bf16*>(q), cu_seqlens, context_lens,
+                          block_tables, static_cast<const bf16*>(latent_cache), static_cast<bf16*>(a_lat), ws, plan,
+                          num_tokens, num_seqs, max_blocks, block_size, num_heads, qk_nope_head_dim,
+                          qk_rope_head_dim, kv_lora_rank, softmax_scale, stream);
+}
+
+}  // extern "C"

@@ -1,0 +1,140 @@
+"""CUDA MLA kernels (plugins/kernels/mla.cu) against the fp32 reference ops.
+
+Skipped without CUDA. Needs the kernel library (build_scripts/build_kernels.sh or
+K3_KERNELS_LIB). Tolerance: relative Frobenius error <= 1e-2. Inputs and output are
+bf16 and both sides accumulate in fp32; the kernels additionally round the absorbed
+query q_nope·W_UK, the probabilities and the latent output a_lat to bf16 (each a relative
+error of at most 2^-9 per element, random in sign), which lands near 3e-3 in practice;
+a wrong mask, a missing split or a stale tile moves the error to O(1e-1) or more.
+The latent cache must equal the reference's bit for bit (both copy the same bf16 rows).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+K3 = dict(nope=128, rope=64, rank=512, v=128)
+TINY = dict(nope=32, rope=16, rank=64, v=32)  # spec §8 tiny configuration
+TOL = 1e-2
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from k3_trtllm.kernels import mla as cuda_mla  # registers the CUDA kernels
+    from k3_trtllm.ops.mla import op as reference
+    return cuda_mla, reference
+
+
+def make_step(heads, dims, contexts, new_tokens, block_size, seed):
+    """A paged batch: random bf16 data, blocks scattered over a larger pool."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    width = dims["rank"] + dims["rope"]
+    totals = [c + n for c, n in zip(contexts, new_tokens)]
+    blocks_per_seq = [max(1, -(-t // block_size)) for t in totals]
+    max_blocks = max(blocks_per_seq)
+    pool = sum(blocks_per_seq) + 7
+    perm = torch.randperm(pool, generator=gen, device=dev).to(torch.int32)
+    block_tables = torch.zeros(len(contexts), max_blocks, dtype=torch.int32, device=dev)
+    used = 0
+    for b, nb in enumerate(blocks_per_seq):
+        block_tables[b, :nb] = perm[used:used + nb]
+        used += nb
+    cache = torch.randn(pool, block_size, width, generator=gen, device=dev).to(torch.bfloat16)
+    slots = []
+    for b, (c, n) in enumerate(zip(contexts, new_tokens)):
+        pos = torch.arange(c, c + n, device=dev)
+        slots.append(block_tables[b, pos // block_size].long() * block_size + pos % block_size)
+    num_tokens = sum(new_tokens)
+    cu = torch.tensor([0] + list(torch.tensor(new_tokens).cumsum(0)), dtype=torch.int32, device=dev)
+    q = torch.randn(num_tokens, heads, dims["nope"] + dims["rope"], generator=gen, device=dev)
+    latent = torch.randn(num_tokens, width, generator=gen, device=dev)
+    w_uk = torch.randn(heads, dims["nope"], dims["rank"], generator=gen, device=dev) / dims["nope"] ** 0.5
+    w_uv = torch.randn(heads, dims["v"], dims["rank"], generator=gen, device=dev) / dims["rank"] ** 0.5
+    bf = torch.bfloat16
+    return dict(
+        q=q.to(bf), latent=latent.to(bf), w_uk=w_uk.to(bf), w_uv=w_uv.to(bf), cu_seqlens=cu,
+        context_lens=torch.tensor(contexts, dtype=torch.int32, device=dev), block_tables=block_tables,
+        slot_mapping=torch.cat(slots).to(torch.int32) if slots else torch.zeros(0, dtype=torch.int32, device=dev),
+        latent_cache=cache,
+    )
+
+
+def run_both(kernel, reference, step, heads, dims):
+    scale = (dims["nope"] + dims["rope"]) ** -0.5
+    attrs = (heads, dims["nope"], dims["rope"], dims["rank"], dims["v"], scale)
+    names = ("q", "latent", "w_uk", "w_uv", "cu_seqlens", "context_lens", "block_tables", "slot_mapping")
+    cache_k, cache_r = step["latent_cache"].clone(), step["latent_cache"].clone()
+    out_k = kernel(*(step[n] for n in names), cache_k, *attrs)
+    out_r = reference(*(step[n] for n in names), cache_r, *attrs)
+    torch.cuda.synchronize()
+    return out_k, out_r, cache_k, cache_r
+
+
+def assert_close(out_k, out_r, cache_k, cache_r, original_cache):
+    assert out_k.shape == out_r.shape and out_k.dtype == torch.bfloat16
+    assert torch.isfinite(out_k).all()
+    err = ((out_k.float() - out_r.float()).norm() / out_r.float().norm()).item()
+    assert err <= TOL, f"relative error {err:.3e}"
+    assert torch.equal(cache_k, cache_r)
+    assert not torch.equal(cache_k, original_cache) or cache_k.numel() == 0
+
+
+@pytest.mark.parametrize("heads,dims", [(96, K3), (12, K3), (4, TINY)])
+@pytest.mark.parametrize("block_size", [64, 80])
+def test_decode_mixed_lengths(ops, heads, dims, block_size):
+    cuda_mla, reference = ops
+    contexts = [0, 1, 63, 64, 1000, 3000]
+    step = make_step(heads, dims, contexts, [1] * len(contexts), block_size, seed=heads + block_size)
+    res = run_both(cuda_mla.mla_decode_cuda, reference.mla_decode, step, heads, dims)
+    assert_close(*res, step["latent_cache"])
+
+
+@pytest.mark.parametrize("heads,dims", [(96, K3), (12, K3), (4, TINY)])
+def test_chunked_prefill_matches_expanded_reference(ops, heads, dims):
+    """New tokens after cached context, an empty sequence, one-token and long chunks;
+    the reference is the expanded (non-absorbed) form, the kernel the absorbed one."""
+    cuda_mla, reference = ops
+    contexts, new = [0, 500, 129, 7, 64], [300, 77, 1, 0, 64]
+    step = make_step(heads, dims, contexts, new, 64, seed=3 * heads)
+    res = run_both(cuda_mla.mla_prefill_cuda, reference.mla_prefill, step, heads, dims)
+    assert_close(*res, step["latent_cache"])
+
+
+def test_multi_token_decode(ops):
+    """Several new tokens per sequence (speculative decode): each sees its own prefix."""
+    cuda_mla, reference = ops
+    step = make_step(16, K3, [40, 2000, 0], [3, 4, 2], 64, seed=11)
+    res = run_both(cuda_mla.mla_decode_cuda, reference.mla_decode, step, 16, K3)
+    assert_close(*res, step["latent_cache"])
+
+
+@pytest.mark.parametrize("heads", [128, 16])
+def test_long_context_many_splits(ops, heads):
+    """One long and one short sequence: the long one is split across many CTAs, most
+    splits of the short one are empty and must not contribute."""
+    cuda_mla, reference = ops
+    step = make_step(heads, K3, [20000, 5], [1, 1], 64, seed=heads)
+    res = run_both(cuda_mla.mla_decode_cuda, reference.mla_decode, step, heads, K3)
+    assert_close(*res, step["latent_cache"])
+
+
+def test_latent_attention_matches_absorbed_formula(ops):
+    """The attention-only entry against a plain softmax over the gathered latents."""
+    cuda_mla, _ = ops
+    heads, nope, rank = 24, 128, 512
+    step = make_step(heads, K3, [700], [1], 64, seed=5)
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    q_lat = torch.randn(1, heads, rank, generator=gen, device="cuda").to(torch.bfloat16)
+    scale = 0.07
+    a_lat = cuda_mla.latent_attention(q_lat, step["q"], step["cu_seqlens"], step["context_lens"],
+                                      step["block_tables"], step["latent_cache"], nope, scale)
+    pos = torch.arange(700 + 1, device="cuda")  # the new token itself was not inserted
+    rows = step["latent_cache"][step["block_tables"][0, pos // 64].long(), pos % 64].float()
+    query = torch.cat([q_lat[0].float(), step["q"][0, :, nope:].float()], dim=-1)
+    probs = torch.softmax(query @ rows.T * scale, dim=-1)
+    want = probs @ rows[:, :rank]
+    err = ((a_lat[0].float() - want).norm() / want.norm()).item()
+    assert err <= TOL, f"relative error {err:.3e}"
