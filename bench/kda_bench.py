@@ -1,0 +1,306 @@
+"""KDA prefill / decode on the GPU: ours (plugins/kernels/kda.cu) next to FlashKDA and FLA.
+
+Run on the GPU machine, in one process, so that every number shares the card's state:
+    python3 bench/kda_bench.py --out DIR
+Peers, if importable: FlashKDA = ``_flashkda_C.abi3.so`` from the vllm==0.33.0 wheel
+(path in --flashkda), FLA = ``fla-core==0.6.0`` (chunk_kda / fused_recurrent_kda).
+Our kernels are timed through their C launchers (no torch-side argument checks), the peers
+through their Python entry points. Ours includes the short conv + SiLU (raw qkv in);
+FlashKDA and FLA start from post-conv q, k, v (vLLM runs the conv as a separate kernel),
+so their numbers leave that pass out. Times: triton.testing.do_bench medians (events,
+L2 flushed between runs). Writes DIR/kda_h200.json and DIR/kda_h200.png.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import triton.testing
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from k3_trtllm import kernels  # noqa: E402
+from k3_trtllm.kernels import kda as kda_kernels  # noqa: E402
+
+D, W, LB = 128, 4, -5.0
+PREFILL_SHAPES = [  # name, sequence lengths, heads
+    ("T4096_H96", [4096], 96),
+    ("T16384_H96", [16384], 96),
+    ("varlen64x256_H96", [256] * 64, 96),
+    ("T16384_H12", [16384], 12),
+    ("varlen16x1024_H12", [1024] * 16, 12),
+]
+DECODE_BATCHES = [1, 64, 256]
+DECODE_HEADS = 96
+
+
+def median_ms(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    return float(triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
+
+
+def source_hash() -> str:
+    files = sorted((ROOT / "plugins/include/k3/kda").glob("*.cuh")) + [
+        ROOT / "plugins/kernels/kda.cu", ROOT / "k3_trtllm/kernels/kda.py", Path(__file__)]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def commit_id() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (subprocess.CalledProcessError, OSError):
+        return "uncommitted"
+
+
+def inputs(lengths, H):
+    """Raw contract inputs (random, not zeros) for one varlen batch with initial states."""
+    T, B, P = sum(lengths), len(lengths), H * D
+    dev = "cuda"
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=dev)
+    return dict(
+        qkv=torch.randn(T, 3 * P, device=dev).bfloat16(),
+        gate=(torch.randn(T, P, device=dev) * 2).bfloat16(),
+        beta=(torch.randn(T, H, device=dev) * 2).bfloat16(),
+        conv_weight=torch.randn(3 * P, W, device=dev) * 0.6,
+        A_log=torch.randn(H, device=dev) * 0.5,
+        dt_bias=torch.randn(P, device=dev) * 0.5,
+        cu_seqlens=cu,
+        state_slots=torch.arange(B, dtype=torch.int32, device=dev),
+        has_initial_state=torch.ones(B, dtype=torch.int32, device=dev),
+        conv_state=torch.randn(B, 3 * P, W - 1, device=dev).bfloat16(),
+        recurrent_state=torch.randn(B, H, D, D, device=dev) * 0.3,
+        out=torch.empty(T, P, device=dev, dtype=torch.bfloat16),
+        H=H, B=B, T=T,
+    )
+
+
+def ours(name: str, x, lib=None):
+    lib = lib or kda_kernels._library()
+    fn = getattr(lib, name)
+    nbytes = lib.k3_kda_prefill_workspace_bytes(x["T"], x["B"], x["H"], D, LB) if name == "k3_kda_prefill" else 0
+    work = torch.empty(max(nbytes, 16), dtype=torch.uint8, device="cuda")
+    ptrs = [x[k].data_ptr() for k in ("qkv", "gate", "beta", "conv_weight", "A_log", "dt_bias",
+                                      "cu_seqlens", "state_slots", "has_initial_state",
+                                      "conv_state", "recurrent_state", "out")] + [work.data_ptr()]
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def run():
+        status = fn(*ptrs, x["T"], x["B"], x["H"], D, W, LB, stream)
+        if status != 0:
+            raise RuntimeError(f"{name} returned CUDA error {status}")
+    return run
+
+
+def kernel_breakdown(x) -> dict[str, float]:
+    """Device time per kernel of one prefill call (torch profiler), in ms."""
+    from torch.profiler import ProfilerActivity, profile
+    run = ours("k3_kda_prefill", x)
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            name = ev.name.split("<")[0].split("(")[0].replace("void ", "").split("::")[-1]
+            times[name] = times.get(name, 0.0) + ev.device_time / 1e3
+    return times
+
+
+def peer_tensors(x):
+    """Post-conv q, k, v (what FlashKDA / FLA take), raw gate and beta, [1, T, H, D]."""
+    T, H = x["T"], x["H"]
+    q, k, v = (torch.randn(1, T, H, D, device="cuda").bfloat16() for _ in range(3))
+    g = x["gate"].view(1, T, H, D)
+    beta = x["beta"].view(1, T, H)
+    return q, k, v, g, beta
+
+
+def flashkda(x):
+    T, H, B = x["T"], x["H"], x["B"]
+    q, k, v, g, beta = peer_tensors(x)
+    out = torch.empty_like(q)
+    ws = torch.empty(torch.ops._flashkda_C.get_workspace_size(T, H, B), dtype=torch.uint8, device="cuda")
+    h0 = torch.randn(B, H, D, D, device="cuda") * 0.3
+    ht = torch.empty_like(h0)
+    dt_bias = x["dt_bias"].view(H, D)
+
+    def run():
+        torch.ops._flashkda_C.fwd(q, k, v, g, beta, D ** -0.5, out, ws, x["A_log"], dt_bias, LB,
+                                  h0, ht, x["cu_seqlens"], None, None)
+    return run
+
+
+def fla_chunk(x):
+    from fla.ops.kda import chunk_kda
+    q, k, v, g, beta = peer_tensors(x)
+    h0 = torch.randn(x["B"], x["H"], D, D, device="cuda") * 0.3
+    cu = x["cu_seqlens"].long()
+    cu_cpu = cu.cpu()
+
+    def run():
+        chunk_kda(q, k, v, g, beta, scale=D ** -0.5, initial_state=h0, output_final_state=True,
+                  use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                  use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=LB,
+                  A_log=x["A_log"], dt_bias=x["dt_bias"], cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+    return run
+
+
+def fla_recurrent(x):
+    from fla.ops.kda import fused_recurrent_kda
+    q, k, v, g, beta = peer_tensors(x)
+    h0 = x["recurrent_state"]
+    cu = x["cu_seqlens"].long()
+
+    def run():
+        fused_recurrent_kda(q, k, v, g, beta, A_log=x["A_log"], dt_bias=x["dt_bias"],
+                            scale=D ** -0.5, initial_state=h0, output_final_state=True,
+                            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                            use_beta_sigmoid_in_kernel=True, lower_bound=LB, cu_seqlens=cu)
+    return run
+
+
+def timed(label, make, x, errors):
+    try:
+        return median_ms(make(x))
+    except Exception as exc:  # a peer that fails to load or run is recorded, not fatal
+        errors[label] = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
+        return None
+
+
+def copy_bandwidth_tbs() -> float:
+    n = 4 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * n / ms / 1e9
+
+
+def ratio(a, b):
+    return None if a is None or b is None else b / a
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--flashkda", type=Path, default=ROOT / ".carry/_flashkda_C.abi3.so")
+    ap.add_argument("--no-fla", action="store_true", help="skip FLA (its Triton autotuning is slow)")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    errors: dict[str, str] = {}
+    try:
+        torch.ops.load_library(str(args.flashkda))
+    except Exception as exc:
+        errors["flashkda_load"] = f"{type(exc).__name__}: {exc}"
+
+    torch.manual_seed(0)
+    copy = copy_bandwidth_tbs()
+    result = dict(
+        gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        commit=commit_id(), source_sha256_16=source_hash(), torch=torch.__version__,
+        kernels_lib=str(kernels.library_path()),
+        head_dim=D, conv_width=W, lower_bound=LB, copy_bandwidth_TBps=copy,
+        note="ours includes the short conv + SiLU; FlashKDA and FLA start from post-conv q/k/v",
+        prefill=[], decode=[], errors=errors,
+    )
+    for name, lengths, H in PREFILL_SHAPES:
+        x = inputs(lengths, H)
+        ms = {"ours": timed(f"ours/{name}", lambda x: ours("k3_kda_prefill", x), x, errors),
+              "flashkda": timed(f"flashkda/{name}", flashkda, x, errors),
+              "fla": None if args.no_fla else timed(f"fla/{name}", fla_chunk, x, errors)}
+        try:
+            breakdown = kernel_breakdown(x)
+        except Exception as exc:
+            breakdown = None
+            errors[f"profile/{name}"] = f"{type(exc).__name__}: {exc}"
+        row = dict(shape=name, tokens=x["T"], heads=H, seqs=x["B"], ms=ms, ours_kernels_ms=breakdown,
+                   Mtok_per_s={k: (None if v is None else x["T"] / v / 1e3) for k, v in ms.items()},
+                   speedup_vs_flashkda=ratio(ms["ours"], ms["flashkda"]),
+                   speedup_vs_fla=ratio(ms["ours"], ms["fla"]))
+        result["prefill"].append(row)
+        print(json.dumps(row), flush=True)
+        del x
+        torch.cuda.empty_cache()
+    for B in DECODE_BATCHES:
+        x = inputs([1] * B, DECODE_HEADS)
+        state_bytes = 2 * B * DECODE_HEADS * D * D * 4  # fp32 state read + written
+        ms = {"ours": timed(f"ours/decode{B}", lambda x: ours("k3_kda_decode", x), x, errors),
+              "fla": None if args.no_fla else timed(f"fla/decode{B}", fla_recurrent, x, errors)}
+        tbs = {k: (None if v is None else state_bytes / v / 1e9) for k, v in ms.items()}
+        row = dict(batch=B, heads=DECODE_HEADS, ms=ms, state_TBps=tbs,
+                   fraction_of_copy={k: (None if v is None else v / copy) for k, v in tbs.items()},
+                   speedup_vs_fla=ratio(ms["ours"], ms["fla"]))
+        result["decode"].append(row)
+        print(json.dumps(row), flush=True)
+        del x
+        torch.cuda.empty_cache()
+
+    (args.out / "kda_h200.json").write_text(json.dumps(result, indent=2))
+    plot(result, args.out / "kda_h200.png")
+    print_table(result)
+
+
+def plot(result, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [5, 3]})
+    impls = [("ours", "k3 (ours)"), ("flashkda", "FlashKDA (vLLM 0.33)"), ("fla", "FLA 0.6 chunk_kda")]
+    shapes = [r["shape"] for r in result["prefill"]]
+    width = 0.27
+    for i, (key, label) in enumerate(impls):
+        vals = [r["Mtok_per_s"][key] or 0 for r in result["prefill"]]
+        ax1.bar([j + (i - 1) * width for j in range(len(shapes))], vals, width, label=label)
+    ax1.set_xticks(range(len(shapes)), shapes, rotation=15, fontsize=8)
+    ax1.set_ylabel("prefill, M tokens/s")
+    ax1.legend(fontsize=8)
+    ax1.set_title(f"KDA prefill, head_dim 128, lb {LB}")
+    batches = [str(r["batch"]) for r in result["decode"]]
+    for i, (key, label) in enumerate([("ours", "k3 (ours)"), ("fla", "FLA fused_recurrent_kda")]):
+        vals = [r["state_TBps"][key] or 0 for r in result["decode"]]
+        ax2.bar([j + (i - 0.5) * 0.4 for j in range(len(batches))], vals, 0.4, label=label)
+    ax2.axhline(result["copy_bandwidth_TBps"], color="k", ls="--", lw=1, label="device copy")
+    ax2.set_xticks(range(len(batches)), batches)
+    ax2.set_xlabel("decode batch (96 heads, 1 token)")
+    ax2.set_ylabel("state TB/s (read + write)")
+    ax2.legend(fontsize=8)
+    fig.suptitle(f"{result['gpu']}, {result['date'][:10]}, {result['commit'][:12]} / {result['source_sha256_16']}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def print_table(result) -> None:
+    def f(v, spec=".3f"):
+        return "-" if v is None else format(v, spec)
+    print(f"\ncopy {result['copy_bandwidth_TBps']:.2f} TB/s; errors: {list(result['errors'])}")
+    print(f"{'prefill':<20}{'ours ms':>9}{'fkda ms':>9}{'fla ms':>9}{'ours Mt/s':>10}{'x fkda':>8}{'x fla':>7}")
+    for r in result["prefill"]:
+        print(f"{r['shape']:<20}{f(r['ms']['ours']):>9}{f(r['ms']['flashkda']):>9}{f(r['ms']['fla']):>9}"
+              f"{f(r['Mtok_per_s']['ours'], '.2f'):>10}{f(r['speedup_vs_flashkda'], '.2f'):>8}"
+              f"{f(r['speedup_vs_fla'], '.2f'):>7}")
+    print(f"{'decode B':<20}{'ours ms':>9}{'fla ms':>9}{'ours TB/s':>10}{'of copy':>8}{'fla TB/s':>9}")
+    for r in result["decode"]:
+        print(f"{r['batch']:<20}{f(r['ms']['ours'], '.4f'):>9}{f(r['ms']['fla'], '.4f'):>9}"
+              f"{f(r['state_TBps']['ours'], '.2f'):>10}{f(r['fraction_of_copy']['ours'], '.2f'):>8}"
+              f"{f(r['state_TBps']['fla'], '.2f'):>9}")
+
+
+if __name__ == "__main__":
+    main()

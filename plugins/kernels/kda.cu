@@ -1,0 +1,168 @@
+// C-ABI launchers of the KDA kernels (contract KDA_PREFILL / KDA_DECODE): raw device
+// pointers in the contract's input order, then sizes, attributes and the stream. They are
+// called by the torch bindings (ctypes) and by the TensorRT plugins' enqueue.
+// Return a cudaError_t (0 = success); cudaErrorInvalidValue for unsupported shapes.
+#include <cuda_runtime.h>
+
+#include "k3/kda/chunk.cuh"
+#include "k3/kda/conv_state.cuh"
+#include "k3/kda/recurrent.cuh"
+
+namespace {
+
+using k3::kda::Params;
+
+Params make_params(const void* qkv, const void* gate, const void* beta, const float* conv_weight,
+                   const float* A_log, const float* dt_bias, const int* cu_seqlens,
+                   const int* state_slots, const int* has_initial_state, void* conv_state,
+                   float* recurrent_state, void* out, int num_seqs, int num_heads,
+                   float lower_bound) {
+  Params p;
+  p.qkv = static_cast<const __nv_bfloat16*>(qkv);
+  p.gate = static_cast<const __nv_bfloat16*>(gate);
+  p.beta = static_cast<const __nv_bfloat16*>(beta);
+  p.conv_weight = conv_weight;
+  p.A_log = A_log;
+  p.dt_bias = dt_bias;
+  p.cu_seqlens = cu_seqlens;
+  p.state_slots = state_slots;
+  p.has_initial_state = has_initial_state;
+  p.conv_state = static_cast<__nv_bfloat16*>(conv_state);
+  p.recurrent_state = recurrent_state;
+  p.out = static_cast<__nv_bfloat16*>(out);
+  p.num_seqs = num_seqs;
+  p.num_heads = num_heads;
+  p.lower_bound = lower_bound;
+  return p;
+}
+
+template <int W>
+cudaError_t launch_conv_state(const Params& p, int head_dim, cudaStream_t stream) {
+  const int P3 = 3 * p.num_heads * head_dim;
+  dim3 grid((P3 + 255) / 256, p.num_seqs);
+  k3::kda::conv_state_kernel<W><<<grid, 256, 0, stream>>>(p, P3);
+  return cudaGetLastError();
+}
+
+template <int D, int W>
+cudaError_t launch_recurrent(const Params& p, cudaStream_t stream) {
+  dim3 grid(p.num_seqs, p.num_heads);
+  k3::kda::recurrent_kernel<D, W><<<grid, k3::kda::kRecThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <int D, int W>
+cudaError_t launch_chunked(const Params& p, float* work, int num_tokens, cudaStream_t stream) {
+  constexpr int BV = 32;
+  using Prep = k3::kda::PrepareLayout<D>;
+  using Walk = k3::kda::WalkLayout<D, BV>;
+  auto prepare = k3::kda::chunk_prepare_kernel<D, W>;
+  auto walk = k3::kda::chunk_walk_kernel<D, BV>;
+  cudaError_t err =
+      cudaFuncSetAttribute(prepare, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Prep::BYTES);
+  if (err == cudaSuccess)
+    err = cudaFuncSetAttribute(walk, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Walk::BYTES);
+  if (err != cudaSuccess) return err;
+  dim3 pgrid(k3::kda::max_chunks(num_tokens, p.num_seqs), p.num_heads);
+  prepare<<<pgrid, k3::kda::kChunkThreads, Prep::BYTES, stream>>>(p, work);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  // the prepare kernel has read the old conv state; the walk does not need it
+  if ((err = launch_conv_state<W>(p, D, stream)) != cudaSuccess) return err;
+  dim3 wgrid(p.num_seqs, p.num_heads, D / BV);
+  walk<<<wgrid, k3::kda::kChunkThreads, Walk::BYTES, stream>>>(p, work);
+  return cudaGetLastError();
+}
+
+struct Launch {
+  bool chunked;
+  float* work;  // chunked prefill only
+  int num_tokens;
+};
+
+template <int D, int W>
+cudaError_t dispatch_width(const Params& p, const Launch& l, cudaStream_t stream) {
+  return l.chunked ? launch_chunked<D, W>(p, l.work, l.num_tokens, stream)
+                   : launch_recurrent<D, W>(p, stream);
+}
+
+template <int D>
+cudaError_t dispatch_head_dim(const Params& p, int conv_width, const Launch& l, cudaStream_t stream) {
+  switch (conv_width) {
+    case 2: return dispatch_width<D, 2>(p, l, stream);
+    case 3: return dispatch_width<D, 3>(p, l, stream);
+    case 4: return dispatch_width<D, 4>(p, l, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t dispatch(const Params& p, int head_dim, int conv_width, const Launch& l,
+                     cudaStream_t stream) {
+  if (p.num_seqs <= 0 || p.num_heads <= 0) return cudaSuccess;
+  switch (head_dim) {
+    case 32: return dispatch_head_dim<32>(p, conv_width, l, stream);
+    case 64: return dispatch_head_dim<64>(p, conv_width, l, stream);
+    case 128: return dispatch_head_dim<128>(p, conv_width, l, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+bool chunked_gate(float lower_bound) { return lower_bound < 0.f && lower_bound >= -10.f; }
+
+size_t chunk_work_floats(int head_dim) {
+  switch (head_dim) {
+    case 32: return k3::kda::ChunkWork<32>::FLOATS;
+    case 64: return k3::kda::ChunkWork<64>::FLOATS;
+    default: return k3::kda::ChunkWork<128>::FLOATS;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Which head_dim / conv widths the kernels are built for (the bindings fall back otherwise).
+int k3_kda_supported(int head_dim, int conv_width) {
+  return (head_dim == 32 || head_dim == 64 || head_dim == 128) && conv_width >= 2 &&
+         conv_width <= 4;
+}
+
+// Bytes of device workspace k3_kda_prefill needs (0 when it runs the token recurrence).
+size_t k3_kda_prefill_workspace_bytes(int num_tokens, int num_seqs, int num_heads, int head_dim,
+                                      float lower_bound) {
+  if (!chunked_gate(lower_bound)) return 0;
+  return (size_t)k3::kda::max_chunks(num_tokens, num_seqs) * num_heads *
+         chunk_work_floats(head_dim) * sizeof(float);
+}
+
+// Chunked prefill. The factorised intra-chunk decay needs |lower_bound| <= 10; the
+// softplus gate (lower_bound == 0, unbounded decay) runs the exact token recurrence.
+// `workspace`: k3_kda_prefill_workspace_bytes(...) bytes, 16-byte aligned.
+int k3_kda_prefill(const void* qkv, const void* gate, const void* beta, const float* conv_weight,
+                   const float* A_log, const float* dt_bias, const int* cu_seqlens,
+                   const int* state_slots, const int* has_initial_state, void* conv_state,
+                   float* recurrent_state, void* out, void* workspace, int num_tokens,
+                   int num_seqs, int num_heads, int head_dim, int conv_width, float lower_bound,
+                   cudaStream_t stream) {
+  const Params p = make_params(qkv, gate, beta, conv_weight, A_log, dt_bias, cu_seqlens,
+                               state_slots, has_initial_state, conv_state, recurrent_state, out,
+                               num_seqs, num_heads, lower_bound);
+  const Launch l{chunked_gate(lower_bound), static_cast<float*>(workspace), num_tokens};
+  return dispatch(p, head_dim, conv_width, l, stream);
+}
+
+// Decode / speculative verify: token recurrence, any number of tokens per sequence.
+// Same arguments as k3_kda_prefill; the workspace is not used (may be null).
+int k3_kda_decode(const void* qkv, const void* gate, const void* beta, const float* conv_weight,
+                  const float* A_log, const float* dt_bias, const int* cu_seqlens,
+                  const int* state_slots, const int* has_initial_state, void* conv_state,
+                  float* recurrent_state, void* out, void* workspace, int num_tokens,
+                  int num_seqs, int num_heads, int head_dim, int conv_width, float lower_bound,
+                  cudaStream_t stream) {
+  const Params p = make_params(qkv, gate, beta, conv_weight, A_log, dt_bias, cu_seqlens,
+                               state_slots, has_initial_state, conv_state, recurrent_state, out,
+                               num_seqs, num_heads, lower_bound);
+  const Launch l{false, nullptr, num_tokens};
+  return dispatch(p, head_dim, conv_width, l, stream);
+}
+
+}  // extern "C"
