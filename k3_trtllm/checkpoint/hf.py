@@ -1,20 +1,23 @@
-"""Read an HF K3 checkpoint directory one tensor at a time.
+"""Read an HF K3 checkpoint directory one tensor (or row range) at a time.
 
 Names are canonicalised to the flat ``kimi_linear`` form (``model.…``, ``lm_head.weight``)
 whatever prefix the files use (spec §5.1); vision, projector, rotary-cache and MTP tensors
-are skipped. Nothing is loaded until asked for, so a multi-terabyte checkpoint costs only
-its headers here.
+are skipped. Opening a checkpoint parses and validates every shard's header (a truncated
+shard fails here, before any data is read); data is read with ``pread`` into fresh
+tensors, so memory holds only what the caller keeps and threads may read concurrently.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
+import threading
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from ..config import K3Config, load_config
+from .safetensors_format import SafetensorsFormatError, TensorInfo, read_header, read_tensor, row_span
 
 
 class CheckpointError(ValueError):
@@ -43,17 +46,19 @@ class HFCheckpoint:
         if not self.path.is_dir():
             raise CheckpointError(f"{self.path}: not a directory (expected an HF K3 checkpoint directory)")
         self.config = config or load_config(self.path)
-        self._handles: dict[Path, object] = {}
+        self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
         self.files, self.index = self._discover()
 
-    def _discover(self) -> tuple[list[Path], dict[str, tuple[Path, str]]]:
+    def _discover(self) -> tuple[list[Path], dict[str, TensorInfo]]:
         index_file = self.path / "model.safetensors.index.json"
         if index_file.exists():
             try:
                 weight_map = json.loads(index_file.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                shard_names = set(weight_map.values())
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
                 raise CheckpointError(f"{index_file}: expected JSON with a `weight_map` object ({e})") from e
-            files = sorted({self.path / f for f in weight_map.values()})
+            files = sorted(self.path / f for f in shard_names)
             missing = [f.name for f in files if not f.exists()]
             if missing:
                 raise CheckpointError(f"{index_file}: names shard(s) that do not exist: {', '.join(missing)}")
@@ -61,10 +66,14 @@ class HFCheckpoint:
             files = sorted(self.path.glob("*.safetensors"))
             if not files:
                 raise CheckpointError(f"{self.path}: no *.safetensors files and no model.safetensors.index.json")
-        index: dict[str, tuple[Path, str]] = {}
+        index: dict[str, TensorInfo] = {}
         num_layers = self.config.num_hidden_layers
         for f in files:
-            for raw in self._keys(f):
+            try:
+                header = read_header(f)
+            except SafetensorsFormatError as e:
+                raise CheckpointError(str(e)) from e
+            for raw, info in header.items():
                 if raw.startswith(_SKIP_PREFIXES) or "rotary_emb." in raw:
                     continue
                 name = canonical_name(raw)
@@ -73,55 +82,52 @@ class HFCheckpoint:
                     continue
                 if name in index:
                     raise CheckpointError(
-                        f"{f.name}: tensor {raw!r} duplicates {index[name][1]!r} in {index[name][0].name}"
-                    )
-                index[name] = (f, raw)
+                        f"{f.name}: tensor {raw!r} duplicates {index[name].key!r} in {index[name].file.name}")
+                index[name] = info
         return files, index
 
     def _is_mtp(self, layer: int) -> bool:
         n = int(self.config.raw.get("num_nextn_predict_layers") or 0)
         return layer < self.config.num_hidden_layers + n
 
-    def _open(self, f: Path):
-        if f not in self._handles:
-            try:
-                self._handles[f] = safe_open(str(f), framework="pt")
-            except Exception as e:  # safetensors raises its own error types for bad headers
-                raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from e
-        return self._handles[f]
-
-    def _keys(self, f: Path) -> list[str]:
-        return list(self._open(f).keys())
-
     def names(self) -> set[str]:
         return set(self.index)
 
-    def nbytes(self, name: str) -> int:
-        f, raw = self.index[name]
-        sl = self._open(f).get_slice(raw)
-        return _numel(sl.get_shape()) * _dtype_size(sl.get_dtype())
+    def info(self, name: str) -> TensorInfo:
+        return self.index[name]
 
-    def read(self, name: str) -> torch.Tensor:
-        f, raw = self.index[name]
+    def read(self, name: str, shape: tuple[int, ...] | None = None,
+             rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor ``name`` viewed as ``shape`` (default: as stored; same element count),
+        or only its rows ``[start, stop)`` along the first dimension of that shape."""
+        info = self.index[name]
+        start, stop = rows or (0, None)
         try:
-            return self._open(f).get_tensor(raw)
-        except Exception as e:
-            raise CheckpointError(f"{f}: cannot read tensor {raw!r} ({e}); the file may be truncated") from e
+            return read_tensor(self._fd(info.file), info, start, stop, shape)
+        except SafetensorsFormatError as e:
+            raise CheckpointError(f"{e} (truncated while reading?)") from e
+
+    def span(self, name: str, shape: tuple[int, ...] | None = None,
+             rows: tuple[int, int] | None = None) -> tuple[int, int, int]:
+        """``(fd, offset, nbytes)`` of the bytes ``read`` would return, for copying them file to file."""
+        info = self.index[name]
+        start, stop = rows or (0, None)
+        return (self._fd(info.file), *row_span(info, shape, start, stop))
+
+    def _fd(self, f: Path) -> int:
+        with self._lock:
+            if f not in self._fds:
+                self._fds[f] = os.open(f, os.O_RDONLY)
+            return self._fds[f]
 
     def close(self) -> None:
-        self._handles.clear()
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
+    def __enter__(self) -> "HFCheckpoint":
+        return self
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-_SIZES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "U8": 1, "I8": 1, "I32": 4, "I64": 8, "BOOL": 1,
-          "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
-
-
-def _dtype_size(dtype: str) -> int:
-    return _SIZES.get(dtype, 4)
+    def __exit__(self, *exc) -> None:
+        self.close()

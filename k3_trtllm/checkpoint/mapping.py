@@ -14,6 +14,7 @@ model would have built from the HF files.
 | KDA ``attention.f_b.weight``, ``A_log``, ``dt_bias`` | same names | ``A_log`` → ``[H]``, fp32 | rows (heads) |
 | KDA ``attention.o_norm.weight`` | ``o_norm.weight`` | rounded to bf16 (both reference stacks apply a bf16 gain, spec §7.10) | replicate |
 | MLA ``attention.fused_a.weight`` | ``q_a_proj, kv_a_proj_with_mqa, g_proj`` | row concat (``q_a`` only with q-LoRA, ``g`` only with the output gate) | ``q_a``/``kv_a`` replicated, ``g`` rows |
+| MLA ``attention.q_a_layernorm.weight``, ``kv_a_layernorm.weight`` | same names | — | replicate |
 | MLA ``attention.q_b.weight`` (or ``attention.q.weight``) | ``q_b_proj`` (``q_proj``) | — | rows (heads) |
 | MLA ``attention.w_uk`` / ``attention.w_uv`` | ``kv_b_proj.weight`` | view ``[H, Dn+Dv, R]``, split ``[Dn, Dv]``: the absorbed weights of §4.4.5 | rows (heads) |
 | ``attention.dense.weight`` | ``o_proj.weight`` | — | columns |
@@ -21,28 +22,44 @@ model would have built from the HF files.
 | MoE ``mlp.router.weight``, ``mlp.router.e_score_correction_bias`` | ``block_sparse_moe.gate.*`` | fp32 | replicate |
 | MoE ``mlp.shared_experts.fc.weight`` / ``.proj.weight`` | ``shared_experts.{gate,up}_proj`` / ``down_proj`` | row concat | rows per part / columns |
 | MoE ``mlp.latent_down.weight``, ``mlp.latent_norm.weight``, ``mlp.latent_up.weight`` | ``routed_expert_{down_proj,norm,up_proj}`` | — | replicate |
-| MoE ``mlp.experts.w13.weight`` / ``w2.weight`` | ``experts.{e}.{w1,w3}.weight`` / ``w2.weight`` | stack over experts, ``[w1; w3]`` per expert | experts (contiguous) |
-| MoE ``mlp.experts.w13.weight_packed``/``weight_scale``, ``w2.*`` | ``experts.{e}.{w}.weight_packed``/``weight_scale`` | the same, packed MXFP4 kept as is | experts (contiguous) |
+| MoE ``mlp.experts.w13.weight`` / ``w2.weight`` | ``experts.{e}.{w1,w3}.weight`` / ``w2.weight`` | stack over experts, ``[w1; w3]`` per expert | experts contiguous over EP; inside an expert w1/w3 rows, w2 columns over MoE-TP |
+| MoE ``mlp.experts.w13.weight_packed``/``weight_scale``, ``w2.*`` | ``experts.{e}.{w}.weight_packed``/``weight_scale`` | the same, packed MXFP4 kept as is | the same (packed and scale columns split alike) |
+| MoE ``mlp.experts.w13.weight`` / ``w2.weight`` (``--experts bf16`` from MXFP4) | ``experts.{e}.{w}.weight_packed`` + ``weight_scale`` | dequantised to bf16 (exact, spec §2.6), then as above | the same |
 | ``ln_f.weight`` | ``model.norm.weight`` | — | replicate |
 | ``attn_res_out.query`` | ``model.output_attn_res_{norm,proj}`` | fp32(norm)·fp32(proj) | replicate |
 | ``lm_head.weight`` | ``lm_head.weight`` | — | rows (vocab) |
+
+TP splits are over all ``tp`` ranks; routed experts are split contiguously over the
+``moe_ep`` ranks and each expert's intermediate dimension over the ``moe_tp = tp / ep``
+ranks (TensorRT-LLM's MoE mapping).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
 from ..config import K3Config
+from ..ops.moe.mxfp4 import dequantize_mxfp4
 
 BF16 = (torch.bfloat16,)
 FP32 = (torch.float32,)
 FLOAT = (torch.bfloat16, torch.float32)  # file dtype not fixed by the spec (§5.5 router, §5.4 o_norm)
 U8 = (torch.uint8,)
 
-# How a part (or a whole target) is divided over ranks.
-REPLICATE, ROWS, COLS, EXPERTS = "replicate", "rows", "cols", "experts"
+# How a part is divided over ranks: along its first dimension (ROWS), its second (COLS),
+# or not at all. A non-expert part is divided over the tp ranks; an expert part lives on
+# the ranks of its expert-parallel group and is divided over their moe_tp ranks.
+REPLICATE, ROWS, COLS = "replicate", "rows", "cols"
+
+# Combine kinds whose output is the row concatenation of per-unit outputs, each computed
+# row by row: a converter may build such a target unit by unit, and a unit in row chunks.
+ROW_WISE = ("copy", "concat", "conv", "experts", "dequant_experts")
+# Combine kinds whose unit output holds exactly the part's bytes when the part is stored
+# in the target dtype (only the shape changes): a converter may copy the bytes file to file.
+BYTE_COPY = ("copy", "concat", "conv", "experts")
 
 
 @dataclass(frozen=True)
@@ -51,7 +68,8 @@ class Part:
     shape: tuple[int, ...]  # expected HF shape
     dtypes: tuple[torch.dtype, ...]  # accepted HF dtypes
     split: str = REPLICATE
-    alt_shapes: tuple[tuple[int, ...], ...] = ()  # legacy shapes the loader also accepts
+    alt_shapes: tuple[tuple[int, ...], ...] = ()  # legacy shapes the loader also accepts (same layout)
+    expert: int | None = None  # routed expert index
 
 
 @dataclass(frozen=True)
@@ -59,7 +77,8 @@ class Target:
     """One output tensor. ``combine`` names how its parts become the tensor:
     ``copy`` (one part), ``concat`` (row concat), ``conv`` (reshape to [C, W] then concat),
     ``uk`` / ``uv`` (absorbed MLA weights), ``query`` (AttnRes effective query),
-    ``experts`` (stack over experts; parts grouped per expert, concatenated within)."""
+    ``experts`` (stack over experts; parts grouped per expert, concatenated within),
+    ``dequant_experts`` (the same over dequantised (packed, scale) pairs)."""
 
     name: str
     parts: tuple[Part, ...]
@@ -67,18 +86,32 @@ class Target:
     dtype: torch.dtype  # dtype written
     per_expert: int = 0  # experts: parts per expert
 
+    @property
+    def unit_size(self) -> int:
+        """Parts per unit: 2 for (packed, scale) pairs, else 1; the whole target when not row-wise."""
+        if self.combine not in ROW_WISE:
+            return len(self.parts)
+        return 2 if self.combine == "dequant_experts" else 1
 
-def _p(name: str, shape, dtypes, split=REPLICATE, alt=()) -> Part:
-    return Part(name, tuple(shape), dtypes, split, tuple(tuple(a) for a in alt))
+    def units(self) -> list[tuple[Part, ...]]:
+        """The parts grouped into units: the target is the row concatenation of
+        ``unit_output`` over its units (reshaped per expert for expert stacks)."""
+        k = self.unit_size
+        return [self.parts[i: i + k] for i in range(0, len(self.parts), k)]
 
 
-def targets(cfg: K3Config) -> Iterator[Target]:
-    """Every target tensor of the model in a fixed order (world size 1 shapes)."""
+def _p(name: str, shape, dtypes, split=REPLICATE, alt=(), expert=None) -> Part:
+    return Part(name, tuple(shape), dtypes, split, tuple(tuple(a) for a in alt), expert)
+
+
+def targets(cfg: K3Config, dequantize_experts: bool = False) -> Iterator[Target]:
+    """Every target tensor of the model in a fixed order (world size 1 shapes).
+    ``dequantize_experts`` turns MXFP4 routed experts into bf16 ``weight`` targets."""
     d, V = cfg.hidden_size, cfg.vocab_size
     yield Target("transformer.vocab_embedding.weight",
                  (_p("model.embed_tokens.weight", (V, d), BF16, ROWS),), "copy", torch.bfloat16)
     for plan in cfg.layers:
-        yield from _layer_targets(cfg, plan.index, plan.attention, plan.ffn)
+        yield from _layer_targets(cfg, plan.index, plan.attention, plan.ffn, dequantize_experts)
     yield Target("transformer.ln_f.weight", (_p("model.norm.weight", (d,), BF16),), "copy", torch.bfloat16)
     if cfg.attn_res_block_size:
         yield Target("transformer.attn_res_out.query",
@@ -87,7 +120,7 @@ def targets(cfg: K3Config) -> Iterator[Target]:
     yield Target("lm_head.weight", (_p("lm_head.weight", (V, d), BF16, ROWS),), "copy", torch.bfloat16)
 
 
-def _layer_targets(cfg: K3Config, i: int, attention: str, ffn: str) -> Iterator[Target]:
+def _layer_targets(cfg: K3Config, i: int, attention: str, ffn: str, dequantize_experts: bool) -> Iterator[Target]:
     d = cfg.hidden_size
     p, t = f"model.layers.{i}.", f"transformer.layers.{i}."
     yield Target(t + "input_layernorm.weight", (_p(p + "input_layernorm.weight", (d,), BF16),), "copy", torch.bfloat16)
@@ -110,7 +143,7 @@ def _layer_targets(cfg: K3Config, i: int, attention: str, ffn: str) -> Iterator[
         yield Target(t + "mlp.proj.weight", (_p(m + "down_proj.weight", (d, inter), BF16, COLS),), "copy",
                      torch.bfloat16)
     else:
-        yield from _moe_targets(cfg, p + "block_sparse_moe.", t + "mlp.")
+        yield from _moe_targets(cfg, p + "block_sparse_moe.", t + "mlp.", dequantize_experts)
 
 
 def _kda_targets(cfg: K3Config, a: str, t: str) -> Iterator[Target]:
@@ -157,7 +190,7 @@ def _mla_targets(cfg: K3Config, a: str, t: str) -> Iterator[Target]:
                  torch.bfloat16)
 
 
-def _moe_targets(cfg: K3Config, b: str, t: str) -> Iterator[Target]:
+def _moe_targets(cfg: K3Config, b: str, t: str, dequantize_experts: bool) -> Iterator[Target]:
     moe, d = cfg.moe, cfg.hidden_size
     E, inter = moe.num_experts, moe.moe_intermediate_size
     lat = moe.latent_size or d
@@ -180,35 +213,37 @@ def _moe_targets(cfg: K3Config, b: str, t: str) -> Iterator[Target]:
         yield Target(t + "latent_up.weight", (_p(b + "routed_expert_up_proj.weight", (d, lat), BF16),), "copy",
                      torch.bfloat16)
     x = b + "experts."
-    if moe.mxfp4:
-        for suffix, (cols, dt) in (("weight_packed", (2, torch.uint8)), ("weight_scale", (32, torch.uint8))):
-            yield Target(t + f"experts.w13.{suffix}", tuple(
-                _p(x + f"{e}.{w}.{suffix}", (inter, lat // cols), U8, EXPERTS) for e in range(E) for w in ("w1", "w3")
-            ), "experts", dt, per_expert=2)
-            yield Target(t + f"experts.w2.{suffix}", tuple(
-                _p(x + f"{e}.w2.{suffix}", (lat, inter // cols), U8, EXPERTS) for e in range(E)
-            ), "experts", dt, per_expert=1)
-    else:
-        yield Target(t + "experts.w13.weight", tuple(
-            _p(x + f"{e}.{w}.weight", (inter, lat), BF16, EXPERTS) for e in range(E) for w in ("w1", "w3")
-        ), "experts", torch.bfloat16, per_expert=2)
-        yield Target(t + "experts.w2.weight", tuple(
-            _p(x + f"{e}.w2.weight", (lat, inter), BF16, EXPERTS) for e in range(E)
-        ), "experts", torch.bfloat16, per_expert=1)
+    # w1/w3 are [Im, in]: their rows are the intermediate dim; w2 is [lat, Im]: its columns.
+    projections = {"w13": (("w1", "w3"), (inter, lat), ROWS), "w2": (("w2",), (lat, inter), COLS)}
+    for fused, (names, (rows, cols), split) in projections.items():
+        if not moe.mxfp4:
+            yield Target(t + f"experts.{fused}.weight", tuple(
+                _p(x + f"{e}.{w}.weight", (rows, cols), BF16, split, expert=e) for e in range(E) for w in names
+            ), "experts", torch.bfloat16, per_expert=len(names))
+            continue
+        packed = {suffix: tuple(_p(x + f"{e}.{w}.{suffix}", (rows, cols // div), U8, split, expert=e)
+                                for e in range(E) for w in names)
+                  for suffix, div in (("weight_packed", 2), ("weight_scale", 32))}
+        if dequantize_experts:
+            pairs = tuple(p for pair in zip(packed["weight_packed"], packed["weight_scale"]) for p in pair)
+            yield Target(t + f"experts.{fused}.weight", pairs, "dequant_experts", torch.bfloat16,
+                         per_expert=2 * len(names))
+        else:
+            for suffix, parts in packed.items():
+                yield Target(t + f"experts.{fused}.{suffix}", parts, "experts", torch.uint8, per_expert=len(names))
 
 
-def combine(target: Target, tensors: list[torch.Tensor], cfg: K3Config) -> torch.Tensor:
-    """Build the target from its (already rank-local) part tensors."""
+def unit_output(target: Target, tensors: list[torch.Tensor], cfg: K3Config) -> torch.Tensor:
+    """One unit's contribution (rank-local or whole, in canonical part shapes)."""
     kind = target.combine
-    if kind == "copy":
-        src = tensors[0]
-        if target.parts[0].alt_shapes and src.dim() != len(target.parts[0].shape):
-            src = src.reshape(-1)
-        return src.to(target.dtype).contiguous()
-    if kind == "concat":
-        return torch.cat([x.to(target.dtype) for x in tensors], 0).contiguous()
+    if kind in ("copy", "concat", "experts"):
+        return tensors[0].to(target.dtype).contiguous()
     if kind == "conv":
-        return torch.cat([x.reshape(x.shape[0], -1).to(target.dtype) for x in tensors], 0).contiguous()
+        x = tensors[0]
+        return x.reshape(x.shape[0], -1).to(target.dtype).contiguous()
+    if kind == "dequant_experts":
+        packed, scale = tensors
+        return dequantize_mxfp4(packed, scale, target.dtype)
     if kind in ("uk", "uv"):
         m = cfg.mla
         kv_b = tensors[0].to(target.dtype)
@@ -218,8 +253,33 @@ def combine(target: Target, tensors: list[torch.Tensor], cfg: K3Config) -> torch
     if kind == "query":
         norm, proj = tensors
         return (norm.to(torch.float32) * proj.reshape(-1).to(torch.float32)).contiguous()
-    if kind == "experts":
-        k = target.per_expert
-        return torch.stack([torch.cat(tensors[j: j + k], 0) for j in range(0, len(tensors), k)]).to(
-            target.dtype).contiguous()
     raise ValueError(f"unknown combine kind {kind!r} for {target.name}")
+
+
+def unit_output_shape(target: Target, shapes: list[tuple[int, ...]], cfg: K3Config) -> tuple[int, ...]:
+    """The shape ``unit_output`` gives for parts of these shapes (no data needed)."""
+    kind, first = target.combine, tuple(shapes[0])
+    if kind in ("copy", "concat", "experts"):
+        return first
+    if kind == "conv":
+        return first[0], math.prod(first[1:])
+    if kind == "dequant_experts":
+        return first[0], 2 * first[1]
+    if kind in ("uk", "uv"):
+        m = cfg.mla
+        width = m.qk_nope_head_dim if kind == "uk" else m.v_head_dim
+        return first[0] // (m.qk_nope_head_dim + m.v_head_dim), width, first[1]
+    if kind == "query":
+        return first
+    raise ValueError(f"unknown combine kind {kind!r} for {target.name}")
+
+
+def combine(target: Target, tensors: list[torch.Tensor], cfg: K3Config) -> torch.Tensor:
+    """Build the target from its (already rank-local, canonical-shape) part tensors."""
+    k = target.unit_size
+    outs = [unit_output(target, tensors[i: i + k], cfg) for i in range(0, len(tensors), k)]
+    out = torch.cat(outs, 0) if len(outs) > 1 else outs[0]
+    if target.combine in ("experts", "dequant_experts"):
+        units_per_expert = target.per_expert // k
+        return out.view(len(outs) // units_per_expert, -1, *out.shape[1:])
+    return out

@@ -9,8 +9,10 @@ import click
 # missing optional dependency only breaks the command that needs it.
 _SUBCOMMANDS = {
     "synth": "k3_trtllm.cli.synth:synth",
+    "convert": "k3_trtllm.cli.convert:convert",
     "run": "k3_trtllm.cli.run:run",
     "bench": "k3_trtllm.cli.bench:bench",
+    "build": "k3_trtllm.cli.build:build",
     "serve": "k3_trtllm.cli.serve:serve",
     "triton-repo": "k3_trtllm.cli.serve:triton_repo",
 }

@@ -4,6 +4,7 @@
 // Return a cudaError_t (0 = success); cudaErrorInvalidValue for unsupported shapes.
 #include <cuda_runtime.h>
 
+#include "k3/kda_api.h"
 #include "k3/kda/chunk.cuh"
 #include "k3/kda/conv_state.cuh"
 #include "k3/kda/recurrent.cuh"

@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "k3/mla_api.h"
 #include "k3/mla/head_gemm.cuh"
 #include "k3/mla/insert.cuh"
 #include "k3/mla/latent_attention.cuh"

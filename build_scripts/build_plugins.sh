@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Builds the TensorRT plugin library libk3_trt_plugins.so: the IPluginV3 plugins in
+# plugins/trt/ over the CUDA kernels in plugins/kernels/ (KDA, MLA).
+#   TENSORRT_INCLUDE_DIR=/path/to/TensorRT/include build_scripts/build_plugins.sh [OUT_DIR]   (default: build/)
+# Compiles against TensorRT's public headers only and links no TensorRT library (the
+# library exports getCreators and setLoggerFinder, which is all IPluginRegistry::loadLibrary
+# needs); cudart is linked statically. Env: NVCC (default nvcc), K3_CUDA_ARCHS (default "90a").
+set -euo pipefail
+if [[ -z "${TENSORRT_INCLUDE_DIR:-}" ]]; then
+  echo "build_plugins.sh: TENSORRT_INCLUDE_DIR is not set: point it at TensorRT's include/ (NvInferRuntime.h;" \
+       "NVIDIA/TensorRT on GitHub, Apache-2.0, or a TensorRT install)" >&2
+  exit 2
+fi
+if [[ ! -f "$TENSORRT_INCLUDE_DIR/NvInferRuntime.h" ]]; then
+  echo "build_plugins.sh: $TENSORRT_INCLUDE_DIR/NvInferRuntime.h not found" >&2
+  exit 2
+fi
+here="$(cd "$(dirname "$0")/.." && pwd)"
+out="${1:-$here/build}"
+nvcc="${NVCC:-nvcc}"
+archs="${K3_CUDA_ARCHS:-90a}"
+obj="$out/obj_trt_plugins"
+mkdir -p "$obj"
+gencode=()
+for a in $archs; do gencode+=("-gencode" "arch=compute_${a},code=sm_${a}"); done
+objs=()
+for src in "$here"/plugins/kernels/*.cu; do
+  o="$obj/$(basename "${src%.cu}").o"
+  "$nvcc" -std=c++17 -O3 -Xcompiler -fPIC,-fvisibility=hidden --expt-relaxed-constexpr -lineinfo \
+    "${gencode[@]}" -I"$here/plugins/include" -c "$src" -o "$o"
+  objs+=("$o")
+done
+for src in "$here"/plugins/trt/*.cpp; do
+  o="$obj/$(basename "${src%.cpp}").o"
+  # host code; nvcc hands it to the host compiler with the CUDA include path
+  "$nvcc" -std=c++17 -O2 -Xcompiler -fPIC,-fvisibility=hidden,-Wall,-Wno-deprecated-declarations \
+    -isystem "$TENSORRT_INCLUDE_DIR" -I"$here/plugins/trt" -I"$here/plugins/include" -c "$src" -o "$o"
+  objs+=("$o")
+done
+map="$obj/exports.map"
+printf '{\n  global: getCreators; setLoggerFinder;\n  local: *;\n};\n' > "$map"
+"$nvcc" -shared -cudart static "${gencode[@]}" "${objs[@]}" -o "$out/libk3_trt_plugins.so.tmp" \
+  -Xlinker --version-script="$map" -Xlinker --no-undefined
+mv "$out/libk3_trt_plugins.so.tmp" "$out/libk3_trt_plugins.so"
+echo "$out/libk3_trt_plugins.so"

@@ -1,0 +1,89 @@
+"""The engine's I/O, by name (DESIGN §3): step tensors, then the cache pools, which are
+inputs and also outputs (``<pool>_out``), so the same device buffer can be bound to both.
+
+This one list is what the exporter names the ONNX graph's I/O after, what the build
+config records, and what ``TensorRTExecutor`` binds; tests compare it with the graph."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import K3Config
+from ..model.caches import K3Caches
+from ..model.step import StepInputs
+
+# Dims named here are dynamic in the graph and get a range in every optimisation profile.
+TOKENS, SEQS, SEQS_PLUS_1, LOGITS, MAX_BLOCKS, NUM_BLOCKS, MAX_SLOTS = (
+    "num_tokens", "num_seqs", "num_seqs+1", "num_logits", "max_blocks", "num_blocks", "max_slots")
+
+
+@dataclass(frozen=True)
+class TensorIO:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int | str, ...]  # ints are fixed by the config, strings are dynamic dims
+    pool: str = ""  # "latent" | "conv" | "recurrent" for cache pools, "" for step tensors
+    layer: int = -1
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": str(self.dtype).removeprefix("torch."), "shape": list(self.shape),
+                **({"pool": self.pool, "layer": self.layer} if self.pool else {})}
+
+
+STEP_INPUTS: tuple[TensorIO, ...] = tuple(TensorIO(n, torch.int32, s) for n, s in (
+    ("input_ids", (TOKENS,)),
+    ("positions", (TOKENS,)),
+    ("cu_seqlens", (SEQS_PLUS_1,)),
+    ("context_lens", (SEQS,)),
+    ("logits_indices", (LOGITS,)),
+    ("block_tables", (SEQS, MAX_BLOCKS)),
+    ("slot_mapping", (TOKENS,)),
+    ("state_slots", (SEQS,)),
+    ("has_initial_state", (SEQS,)),
+))
+
+
+def pool_dtype(pool: str, act: torch.dtype) -> torch.dtype:
+    """Latent and conv pools hold activations; the delta-rule state is fp32 (fp64 in fp64 runs)."""
+    if pool == "recurrent":
+        return torch.float64 if act == torch.float64 else torch.float32
+    return act
+
+
+def cache_pools(cfg: K3Config, act: torch.dtype, block_size: int) -> tuple[TensorIO, ...]:
+    """Pools in layer order; within a KDA layer conv before recurrent."""
+    pools = []
+    for layer in sorted(cfg.mla_layer_indices + cfg.kda_layer_indices):
+        if layer in cfg.mla_layer_indices:
+            pools.append(TensorIO(f"latent_cache_{layer}", pool_dtype("latent", act),
+                                  (NUM_BLOCKS, block_size, cfg.mla.latent_dim), "latent", layer))
+        else:
+            k = cfg.kda
+            pools.append(TensorIO(f"conv_state_{layer}", pool_dtype("conv", act),
+                                  (MAX_SLOTS, 3 * k.proj_dim, k.conv_kernel_size - 1), "conv", layer))
+            pools.append(TensorIO(f"recurrent_state_{layer}", pool_dtype("recurrent", act),
+                                  (MAX_SLOTS, k.num_heads, k.head_dim, k.head_dim), "recurrent", layer))
+    return tuple(pools)
+
+
+def engine_inputs(cfg: K3Config, act: torch.dtype, block_size: int) -> tuple[TensorIO, ...]:
+    return STEP_INPUTS + cache_pools(cfg, act, block_size)
+
+
+def engine_outputs(cfg: K3Config, act: torch.dtype, block_size: int) -> tuple[TensorIO, ...]:
+    logits = TensorIO("logits", torch.float64 if act == torch.float64 else torch.float32, (LOGITS, cfg.vocab_size))
+    return (logits,) + tuple(TensorIO(f"{p.name}_out", p.dtype, p.shape, p.pool, p.layer)
+                             for p in cache_pools(cfg, act, block_size))
+
+
+def pool_tensor(caches: K3Caches, pool: TensorIO) -> torch.Tensor:
+    return {"latent": caches.latent, "conv": caches.conv, "recurrent": caches.recurrent}[pool.pool][pool.layer]
+
+
+def flatten_step(step: StepInputs) -> list[torch.Tensor]:
+    return [getattr(step, t.name) for t in STEP_INPUTS]
+
+
+def step_from_flat(tensors) -> StepInputs:
+    return StepInputs(**{t.name: x for t, x in zip(STEP_INPUTS, tensors)})

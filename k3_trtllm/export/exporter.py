@@ -1,0 +1,95 @@
+"""torch model -> ONNX graph of one engine step, K3 ops as ``k3`` plugin nodes (DESIGN §9).
+
+The graph takes the step tensors and the cache pools (``engine_io``) and returns the
+logits and the updated pools. Dynamic dims: tokens, sequences, logits rows, block-table
+width, pool blocks and state slots. The prefill forms of the ops are exported; they are
+exact for decode tokens too, and the plugins pick their decode kernels from the input
+extents (a step with as many tokens as sequences), so one graph serves both profiles."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import onnx
+import torch
+from torch.export import Dim
+
+from ..model.step import build_step
+from .engine_io import (LOGITS, MAX_BLOCKS, MAX_SLOTS, NUM_BLOCKS, SEQS, SEQS_PLUS_1, TOKENS, TensorIO,
+                        engine_inputs, engine_outputs, flatten_step, pool_tensor)
+from .schemas import DOMAIN, DOMAIN_VERSION, register_schemas
+from .step_graph import StepGraph
+from .translations import translation_table
+
+OPSET = 22  # pinned: 23 turns on onnxscript fusions into Attention/RMSNormalization nodes
+
+
+def _sample_inputs(model, block_size: int) -> list[torch.Tensor]:
+    """A step whose dynamic sizes all differ from each other and from 0/1 (torch.export
+    would otherwise specialise or unify them): 3 sequences, 7 tokens, 2 logits rows,
+    tables of 5 blocks, 11 pool blocks, 6 state slots."""
+    seqs = [([1, 1, 1], 0, 0, [0, 1, 2, 3, 4]), ([1, 1], 4, 1, [5, 6]), ([1, 1], 0, 2, [7])]
+    step = build_step(seqs, block_size)
+    step.logits_indices = step.logits_indices[1:]
+    caches = model.allocate_caches(num_blocks=11, block_size=block_size, max_slots=6)
+    pools = [t for t in engine_inputs(model.config, model.dtype, block_size) if t.pool]
+    return flatten_step(step) + [pool_tensor(caches, p) for p in pools]
+
+
+def _dynamic_shapes(inputs: tuple[TensorIO, ...]):
+    dims = {TOKENS: Dim("num_tokens", min=1), SEQS: Dim("num_seqs", min=1), LOGITS: Dim("num_logits", min=1),
+            MAX_BLOCKS: Dim("max_blocks", min=1), NUM_BLOCKS: Dim("num_blocks", min=1),
+            MAX_SLOTS: Dim("max_slots", min=1)}
+    dims[SEQS_PLUS_1] = dims[SEQS] + 1
+    return tuple({axis: dims[d] for axis, d in enumerate(t.shape) if isinstance(d, str)} for t in inputs)
+
+
+def _strip_metadata(ir_model) -> None:
+    """Stack traces with absolute paths are most of the graph's bytes and leak local paths."""
+    for node in ir_model.graph.all_nodes():
+        node.metadata_props.clear()
+    graph = ir_model.graph
+    for value in [*graph.inputs, *graph.outputs, *graph.initializers.values()]:
+        value.metadata_props.clear()
+    ir_model.graph.metadata_props.clear()
+    ir_model.metadata_props.clear()
+
+
+def export_step_onnx(model, path: str | Path, block_size: int, log=None) -> Path:
+    """Export ``model`` to ``path`` (+ ``path.data`` external weights); returns ``path``."""
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    register_schemas()
+    path = Path(path)
+    cfg, act = model.config, model.dtype
+    inputs, outputs = engine_inputs(cfg, act, block_size), engine_outputs(cfg, act, block_size)
+    graph = StepGraph(model, tuple(t for t in inputs if t.pool), block_size).eval()
+    args = tuple(_sample_inputs(model, block_size))
+    log(f"export: tracing {cfg.num_hidden_layers} layers ({len(inputs)} inputs, {len(outputs)} outputs)")
+    with torch.no_grad():
+        program = torch.onnx.export(
+            graph, args, dynamo=True, opset_version=OPSET, optimize=True,
+            input_names=[t.name for t in inputs], output_names=[t.name for t in outputs],
+            dynamic_shapes=(_dynamic_shapes(inputs),), custom_translation_table=translation_table(),
+            verbose=False,
+        )
+    _strip_metadata(program.model)
+    program.model.opset_imports[DOMAIN] = DOMAIN_VERSION
+    path.parent.mkdir(parents=True, exist_ok=True)
+    program.save(str(path), external_data=True)
+    log(f"export: wrote {path.name} (+ {path.name}.data)")
+    return path
+
+
+def check_onnx(path: str | Path) -> onnx.ModelProto:
+    """``check_model(full_check=True)`` and strict shape inference, path-based (over 2 GB
+    the in-memory proto cannot be serialised); returns the inferred model without weights."""
+    register_schemas()
+    path = Path(path)
+    onnx.checker.check_model(str(path), full_check=True)
+    inferred = path.with_name(path.stem + ".inferred.onnx")
+    try:
+        onnx.shape_inference.infer_shapes_path(str(path), str(inferred), check_type=True, strict_mode=True,
+                                               data_prop=True)
+        return onnx.load(str(inferred), load_external_data=False)
+    finally:
+        inferred.unlink(missing_ok=True)
