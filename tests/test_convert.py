@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 from safetensors import safe_open
+from helpers import dequantized_state
 
 from k3_trtllm.checkpoint.hf import HFCheckpoint
 from k3_trtllm.checkpoint.loader import load_hf_state_dict
@@ -20,7 +21,6 @@ from k3_trtllm.checkpoint.mapping import combine, targets
 from k3_trtllm.checkpoint.trtllm import load_trtllm_state_dict
 from k3_trtllm.convert import convert_checkpoint, reassemble
 from k3_trtllm.model import build_step, load_model
-from k3_trtllm.ops.moe import dequantize_mxfp4
 
 BS = 16
 
@@ -39,17 +39,6 @@ def converted(ckpt_dir, tmp_path_factory):
         return made[key]
 
     return make
-
-
-def _dequantized(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, t in state.items():
-        if name.endswith(".weight_packed"):
-            base = name[: -len(".weight_packed")]
-            out[base + ".weight"] = dequantize_mxfp4(t, state[base + ".weight_scale"], torch.bfloat16)
-        elif not name.endswith(".weight_scale"):
-            out[name] = t
-    return out
 
 
 def _assert_same_tensors(actual: dict, expected: dict) -> None:
@@ -89,7 +78,7 @@ def test_bf16_experts_from_mxfp4_equal_hf_model(ckpt_dir, converted):
     config = json.loads((out / "config.json").read_text())
     assert config["quantization"]["quant_algo"] is None and "quantization_config" not in config["k3"]
     _, hf = load_hf_state_dict(ckpt_dir("tiny-mxfp4"))
-    _assert_same_tensors(load_trtllm_state_dict(out)[1], _dequantized(hf))
+    _assert_same_tensors(load_trtllm_state_dict(out)[1], dequantized_state(hf))
     reference = _prefill_then_decode(load_model(ckpt_dir("tiny-mxfp4")))
     assert torch.equal(_prefill_then_decode(load_model(out)), reference)
 

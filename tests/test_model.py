@@ -9,12 +9,12 @@ import copy
 
 import pytest
 import torch
+from helpers import dequantized_state
 
 from k3_trtllm.checkpoint.loader import load_hf_state_dict
 from k3_trtllm.checkpoint.synth import preset_config, synth_tensors, write_checkpoint
 from k3_trtllm.config import parse_config
 from k3_trtllm.model import build_step, load_model, model_from_state_dict
-from k3_trtllm.ops.moe import dequantize_mxfp4
 
 BS = 16  # latent-cache block size used throughout
 F64 = dict(rtol=1e-9, atol=1e-9)
@@ -111,13 +111,7 @@ def test_mxfp4_model_equals_bf16_model_with_dequantized_experts(ckpt_dir):
     """Same bf16 path; the only difference is where dequantisation happens, which is exact."""
     path = ckpt_dir("tiny-mxfp4")
     cfg_q, state_q = load_hf_state_dict(path)
-    state = {}
-    for name, t in state_q.items():
-        if name.endswith(".weight_packed"):
-            base = name[: -len(".weight_packed")]
-            state[base + ".weight"] = dequantize_mxfp4(t, state_q[base + ".weight_scale"], torch.bfloat16)
-        elif not name.endswith(".weight_scale"):
-            state[name] = t
+    state = dequantized_state(state_q)
     config = copy.deepcopy(preset_config("tiny-mxfp4"))
     del config["quantization_config"]
     cfg = parse_config(config)

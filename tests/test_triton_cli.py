@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from click.testing import CliRunner
+from helpers import live_processes
 
 from k3_trtllm.cli import main
 from k3_trtllm.serve.server import free_port
@@ -17,21 +18,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny-k3"
 ENGINE_ARGS = ["--dtype", "float32", "--max-batch-size", "4", "--max-seq-len", "64", "--num-blocks", "32",
                "--max-slots", "4"]
-
-
-def live_processes_naming(marker: str) -> list[str]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z" and marker in cmdline:
-            found.append(f"{entry.name}: {cmdline[:200]}")
-    return found
 
 
 def test_triton_repo_writes_a_decoupled_python_model(tmp_path):
@@ -83,6 +69,6 @@ def test_serve_streams_to_the_example_client_and_stops_on_sigint(tmp_path):
             serve.communicate()
         log.close()
     deadline = time.monotonic() + 20
-    while live_processes_naming(str(repo)) and time.monotonic() < deadline:
+    while live_processes((str(repo),)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not live_processes_naming(str(repo))
+    assert not live_processes((str(repo),))

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from click.testing import CliRunner
+from helpers import live_processes
 from tritonclient.utils import np_to_triton_dtype
 
 from k3_trtllm.cli.run import run as run_command
@@ -34,20 +35,7 @@ STOP_TIMEOUT_S = 30  # SIGINT, then Triton's exit timeout (5 s here), then SIGKI
 
 def leftover_processes(server: TritonServer) -> list[str]:
     """Live processes of the server's group or naming its folders (server, backend stubs)."""
-    markers = (str(server.repo_dir), str(server.work_dir))
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        state, pgid = fields[0], int(fields[2])
-        if state != "Z" and (pgid == server.process.pid or any(m in cmdline for m in markers)):
-            found.append(f"{entry.name}: {cmdline[:200]}")
-    return found
+    return live_processes((str(server.repo_dir), str(server.work_dir)), server.process.pid)
 
 
 @pytest.fixture(scope="module")
