@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..checkpoint.mapping import COLS, REPLICATE, ROWS, Part
+from ..checkpoint.mapping import REPLICATE, ROWS, Part
 from ..config import K3Config
 from ..ops.moe.mxfp4 import GROUP_SIZE
 

@@ -24,7 +24,7 @@ from ..checkpoint.mapping import BYTE_COPY, targets, unit_output
 from ..checkpoint.trtllm import k3_text_config, rank_file, trtllm_config
 from ..config import parse_config
 from ..utils.atomic import atomic_output_dir
-from .parallel import ConvertError, Parallel, parallel_for
+from .parallel import ConvertError, parallel_for
 from .plan import CHUNK_BYTES, Dest, Piece, Planner
 from .writer import RankFile
 
