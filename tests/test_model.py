@@ -67,17 +67,18 @@ def test_prefix_prefill_then_decode_equals_full_prefill(variant, ckpt_dir, tmp_p
 
 
 def test_prefix_then_decode_bf16_close_to_full(ckpt_dir):
-    """bf16 activations: chunked and recurrent KDA round differently (fp32 inside, bf16
-    outputs), and absorbed vs expanded MLA too, so logits differ by bf16 noise propagated
-    through 10 layers. Bound: relative error of the logits < 5e-2 and the same argmax on
-    nearly all rows — far below what a wrong state hand-off gives (O(1))."""
+    """bf16 activations: the decode forms (recurrent KDA, absorbed MLA) reproduce the prefill
+    forms only to fp32 rounding, and a bf16 rounding of a layer output can flip on that
+    difference and propagate. Measured: relative logit error 2e-8 on this prompt (the
+    roundings agree); one flip in an early layer gives ~1e-3. Bound 1e-2: a 10x margin over
+    that, and 100x below what a wrong state or cache hand-off gives (O(1))."""
     model = load_model(ckpt_dir("tiny"), dtype=torch.bfloat16)
     ids, table = _prompt(1, 70), _table(0, 5)
     full = model(build_step([(ids, 0, 0, table)], BS, logits_all=True), model.allocate_caches(16, BS, 4))
     incremental, _ = _incremental(model, ids, 65, table)
     rel = (incremental - full).norm() / full.norm()
-    assert rel < 5e-2, rel
-    assert (incremental.argmax(-1) == full.argmax(-1)).float().mean() > 0.9
+    assert rel < 1e-2, rel
+    assert (incremental.argmax(-1) == full.argmax(-1)).float().mean() > 0.95
 
 
 def test_mixed_step_equals_each_sequence_alone(ckpt_dir):
