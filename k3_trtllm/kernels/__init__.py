@@ -33,3 +33,12 @@ def check(status: int, what: str) -> None:
     """Launchers return a cudaError_t; 0 is success."""
     if status != 0:
         raise RuntimeError(f"{what} failed with CUDA error {status}")
+
+
+def register_cuda_kernels() -> bool:
+    """Install every kernel family as the CUDA implementation of its ``k3::`` ops.
+    Returns False, leaving the reference ops in charge, when the library is not built."""
+    if not library_path().exists():
+        return False
+    from . import kda, mla, moe  # noqa: F401  (each registers its ops on import)
+    return True

@@ -1,6 +1,7 @@
 """The K3 reference model over the ``k3::`` ops, and checkpoint loading."""
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -9,6 +10,8 @@ from .. import ops  # noqa: F401  (registers the k3:: ops)
 from ..checkpoint.hf import CheckpointError
 from ..checkpoint.loader import load_hf_state_dict
 from ..checkpoint.trtllm import is_trtllm_checkpoint, load_trtllm_state_dict
+from ..kernels import library_path as kernel_library_path
+from ..kernels import register_cuda_kernels
 from ..ops.common import compute_dtype
 from .caches import K3Caches
 from .k3 import K3ForCausalLM
@@ -46,7 +49,12 @@ def model_from_state_dict(cfg, state: dict[str, torch.Tensor], dtype: torch.dtyp
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.bfloat16,
                device: torch.device | str = "cpu") -> K3ForCausalLM:
-    """Load an HF K3 checkpoint or a world-size-1 converted (TensorRT-LLM format) one."""
+    """Load an HF K3 checkpoint or a world-size-1 converted (TensorRT-LLM format) one.
+    On a CUDA device the CUDA kernels become the ops' implementations when their library
+    is built; otherwise the (slow) reference ops run on the GPU, with a warning."""
+    if torch.device(device).type == "cuda" and not register_cuda_kernels():
+        warnings.warn(f"{kernel_library_path()} not built (build_scripts/build_kernels.sh): the k3 ops run "
+                      "as fp32 torch reference code on the GPU", stacklevel=2)
     if is_trtllm_checkpoint(path):
         cfg, state, meta = load_trtllm_state_dict(path, rank=0)
         if meta["mapping"]["world_size"] != 1:

@@ -104,6 +104,8 @@ extern const OpKernels kKdaPrefillKernels;
 extern const OpKernels kKdaDecodeKernels;
 extern const OpKernels kMlaPrefillKernels;
 extern const OpKernels kMlaDecodeKernels;
+extern const OpKernels kSituMoeKernels;
+extern const OpKernels kSituMoeMxfp4Kernels;
 
 // Elements of a tensor described by `d` (all dims known at enqueue time).
 int64_t volume(const Dims& d);

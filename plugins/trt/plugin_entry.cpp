@@ -36,7 +36,10 @@ __attribute__((visibility("default"))) nvinfer1::IPluginCreatorInterface* const*
   static ContractCreator kda_decode(kKdaDecode, kKdaDecodeKernels);
   static ContractCreator mla_prefill(kMlaPrefill, kMlaPrefillKernels);
   static ContractCreator mla_decode(kMlaDecode, kMlaDecodeKernels);
-  static nvinfer1::IPluginCreatorInterface* const creators[] = {&kda_prefill, &kda_decode, &mla_prefill, &mla_decode};
+  static ContractCreator situ_moe(kSituMoe, kSituMoeKernels);
+  static ContractCreator situ_moe_mxfp4(kSituMoeMxfp4, kSituMoeMxfp4Kernels);
+  static nvinfer1::IPluginCreatorInterface* const creators[] = {&kda_prefill, &kda_decode, &mla_prefill,
+                                                                &mla_decode, &situ_moe, &situ_moe_mxfp4};
   nb_creators = static_cast<int32_t>(sizeof(creators) / sizeof(creators[0]));
   return creators;
 }

@@ -1,0 +1,183 @@
+"""SiTU latent-MoE routed part on the GPU: ours (plugins/kernels/moe.cu) next to torch._grouped_mm.
+
+    python3 bench/moe_bench.py --out DIR        (writes DIR/moe_h200.json)
+
+Prefill: 4096 tokens x top-16 over 112 local experts (E = El = 112: one EP rank's share after
+the all-to-all), latent 3584, moe_intermediate 3072, router input 7168. TFLOP/s count the two
+expert GEMMs only (2·rows·L·2I + 2·rows·I·L, rows = 4096·16) for every column, so the columns
+compare directly: ours = the whole op (router, permutation, gate/up GEMM + fused GLU, down GEMM +
+weighted fp32 combine, rounding); grouped_mm_unfused = gather, torch._grouped_mm(w13), SiTU in
+fp32 torch ops, torch._grouped_mm(w2), weighted index_add (routing precomputed, not timed);
+grouped_mm_gemms = the two torch._grouped_mm calls alone.
+Decode (T = 1, 8, 64, same experts): time of the whole op vs the time to read the touched
+experts' weights once at the copy bandwidth measured in this run (copy bandwidth = bytes read +
+written by a 4 GiB device-to-device copy / its time); bf16 and MXFP4 (W4A16) experts.
+Times: CUDA events, median of a few repetitions after one warm-up (weights are far larger than
+L2, so decode reads come from HBM).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from k3_trtllm.kernels import moe as moe_kernels  # noqa: E402
+from k3_trtllm.ops.common import situ_glu  # noqa: E402
+
+E = EL = 112
+TOP_K, L, I, D = 16, 3584, 3072, 7168
+PREFILL_T = 4096
+DECODE_T = (1, 8, 64)
+BETA, LINEAR_BETA = 2.0, 4.0
+ATTRS = (E, TOP_K, 1, 1, 0, 0, 1, 1.0, 1, BETA, LINEAR_BETA)
+
+
+def time_ms(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs() -> float:
+    src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), 5)
+    return 2 * (4 << 30) / ms / 1e6
+
+
+def make_experts(mxfp4: bool, g: torch.Generator):
+    if not mxfp4:
+        w13 = (torch.randn(EL, 2 * I, L, generator=g, device="cuda") * L ** -0.5).bfloat16()
+        w2 = (torch.randn(EL, L, I, generator=g, device="cuda") * I ** -0.5).bfloat16()
+        return [w13, w2]
+    out = []
+    for rows, cols in ((2 * I, L), (L, I)):
+        out.append(torch.randint(0, 256, (EL, rows, cols // 2), generator=g, device="cuda", dtype=torch.uint8))
+        out.append(torch.randint(119, 123, (EL, rows, cols // 32), generator=g, device="cuda", dtype=torch.uint8))
+    return out
+
+
+def expert_bytes(mxfp4: bool) -> int:
+    elems = 3 * I * L  # w13 (2I x L) + w2 (L x I)
+    return elems // 2 + elems // 32 if mxfp4 else 2 * elems
+
+
+def inputs(T: int, g: torch.Generator):
+    x = torch.randn(T, D, generator=g, device="cuda").bfloat16()
+    z = torch.randn(T, L, generator=g, device="cuda").bfloat16()
+    router = torch.randn(E, D, generator=g, device="cuda") * D ** -0.5
+    bias = torch.randn(E, generator=g, device="cuda") * 0.1
+    return x, z, router, bias
+
+
+def grouped_mm_baselines(x, z, router, bias, w13, w2) -> dict:
+    """torch._grouped_mm at the same shape: unfused (gather, GEMM, SiTU, GEMM, combine) and GEMMs alone."""
+    ids, weights = moe_kernels.route(x, router, bias, TOP_K, 1, 1, 0, True, 1.0)
+    flat = ids.flatten().long()
+    order = flat.argsort()
+    tokens = order // TOP_K
+    counts = torch.bincount(flat, minlength=EL)
+    offs = counts.cumsum(0).to(torch.int32)
+    w_sorted = weights.flatten()[order]
+    w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)  # [El, L, 2I], [El, I, L]
+    a = z[tokens]
+    h = torch.zeros(a.shape[0], I, dtype=torch.bfloat16, device="cuda")
+
+    def gemms():
+        torch._grouped_mm(a, w13_t, offs=offs)
+        return torch._grouped_mm(h, w2_t, offs=offs)
+
+    def unfused():
+        gu = torch._grouped_mm(z[tokens], w13_t, offs=offs)
+        h.copy_(situ_glu(gu[:, :I], gu[:, I:], BETA, LINEAR_BETA))
+        y = torch._grouped_mm(h, w2_t, offs=offs)
+        out = torch.zeros(z.shape, dtype=torch.float32, device="cuda")
+        out.index_add_(0, tokens, y.float() * w_sorted[:, None])
+        return out.bfloat16()
+
+    return {"grouped_mm_unfused_ms": time_ms(unfused, 3), "grouped_mm_gemms_ms": time_ms(gemms, 3)}
+
+
+def run_op(mxfp4: bool, x, z, router, bias, experts):
+    """The op as a CUDA graph replay, so decode times are the GPU's, not Python's launch
+    overhead (eager if capture fails; recorded in the JSON)."""
+    op = torch.ops.k3.situ_moe_mxfp4 if mxfp4 else torch.ops.k3.situ_moe
+    eager = lambda: op(x, z, router, bias, *experts, *ATTRS)  # noqa: E731
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            eager()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            eager()
+        return graph.replay, "cuda_graph"
+    except RuntimeError:
+        traceback.print_exc()
+        return eager, "eager"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("."))
+    args = parser.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "shape": {"E": E, "El": EL, "top_k": TOP_K, "L": L, "I": I, "D": D},
+              "copy_bandwidth_GBps": copy_bandwidth_gbs(), "prefill": {}, "decode": {}}
+    print(f"copy bandwidth {result['copy_bandwidth_GBps']:.0f} GB/s")
+    flops = 2 * PREFILL_T * TOP_K * (L * 2 * I + I * L)
+    for mxfp4 in (False, True):
+        name = "mxfp4" if mxfp4 else "bf16"
+        experts = make_experts(mxfp4, g)
+        x, z, router, bias = inputs(PREFILL_T, g)
+        fn, mode = run_op(mxfp4, x, z, router, bias, experts)
+        entry = {"ours_ms": time_ms(fn, 3), "ours_timing": mode,
+                 "ours_router_ms": time_ms(lambda: moe_kernels.route(x, router, bias, TOP_K, 1, 1, 0, True, 1.0), 3)}
+        if not mxfp4:
+            try:
+                entry.update(grouped_mm_baselines(x, z, router, bias, *experts))
+            except Exception as exc:  # a missing / different torch._grouped_mm must not lose the rest
+                entry["grouped_mm_error"] = "".join(traceback.format_exception_only(exc)).strip()
+        for key in [k for k in entry if k.endswith("_ms") and k != "ours_router_ms"]:
+            entry[key.replace("_ms", "_tflops")] = flops / entry[key] / 1e9
+        result["prefill"][name] = entry
+        print(name, "prefill", json.dumps(entry))
+        for T in DECODE_T:
+            x, z, router, bias = inputs(T, g)
+            ids, _ = moe_kernels.route(x, router, bias, TOP_K, 1, 1, 0, True, 1.0)
+            touched = int(torch.unique(ids).numel())
+            fn, mode = run_op(mxfp4, x, z, router, bias, experts)
+            ms = time_ms(fn, 10)
+            read_ms = touched * expert_bytes(mxfp4) / (result["copy_bandwidth_GBps"] * 1e6)
+            result["decode"][f"{name}_T{T}"] = {"ours_ms": ms, "ours_timing": mode, "touched_experts": touched,
+                                                "weight_read_ms_at_copy_bw": read_ms,
+                                                "fraction_of_copy_bw": read_ms / ms}
+            print(name, f"decode T={T}", json.dumps(result["decode"][f"{name}_T{T}"]))
+        del experts
+        torch.cuda.empty_cache()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "moe_h200.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

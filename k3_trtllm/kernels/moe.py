@@ -1,0 +1,134 @@
+"""CUDA implementations of ``k3::situ_moe`` and ``k3::situ_moe_mxfp4`` (ctypes over
+``libk3_kernels.so``, sources in ``plugins/kernels/moe.cu`` and ``plugins/include/k3/moe/``).
+
+Importing this module registers both kernels for CUDA tensors. They take bf16 activations,
+fp32 router weight / correction bias and bf16 or MXFP4 experts; other dtypes (the fp32/fp64
+exactness checks) and sizes the kernels are not built for fall through to the reference ops.
+Arguments are validated by the reference's own checks, so errors read the same on both paths.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..ops import registry
+from ..ops.contract import SITU_MOE, SITU_MOE_MXFP4
+from ..ops.moe import op as _reference  # importing defines the k3::situ_moe* ops
+from ..ops.moe.mxfp4 import check_mxfp4_pair
+from . import check, load_library
+
+_LIB = load_library()
+_p, _i, _f, _sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
+_LIB.k3_moe_supported.argtypes = [_i] * 6
+_LIB.k3_moe_supported.restype = _i
+_LIB.k3_moe_workspace_size.argtypes = [_i] * 6
+_LIB.k3_moe_workspace_size.restype = _sz
+_LIB.k3_moe_route.argtypes = [_p] * 6 + [_i] * 8 + [_f, _p]
+_LIB.k3_moe_route.restype = _i
+_SIZES_AND_ATTRS = [_i] * 12 + [_f, _i, _f, _f, _p, _sz, _p]
+_LIB.k3_situ_moe.argtypes = [_p] * 7 + _SIZES_AND_ATTRS
+_LIB.k3_situ_moe.restype = _i
+_LIB.k3_situ_moe_mxfp4.argtypes = [_p] * 9 + _SIZES_AND_ATTRS
+_LIB.k3_situ_moe_mxfp4.restype = _i
+
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _kernel_ready(tensors: dict[str, torch.Tensor], float_dtypes: dict[str, torch.dtype]) -> bool:
+    """Dtypes the kernels take, contiguous, 16-byte aligned (cp.async rows)."""
+    for name, t in tensors.items():
+        if name in float_dtypes and t.dtype != float_dtypes[name]:
+            return False
+        if not t.is_contiguous() or t.data_ptr() % 16 != 0:
+            return False
+    return True
+
+
+def route(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
+          num_expert_group: int, topk_group: int, scoring: int, renormalize: bool,
+          routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CUDA router alone: ``topk_ids`` int32 ``[T, k]`` (best biased score first) and
+    ``topk_weights`` fp32 ``[T, k]``; bf16 ``x``, fp32 ``router_weight`` / ``correction_bias``."""
+    num_tokens, num_experts = x.shape[0], router_weight.shape[0]
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
+    logits = torch.empty(max(1, num_tokens * num_experts), dtype=torch.float32, device=x.device)
+    with torch.cuda.device(x.device):
+        status = _LIB.k3_moe_route(
+            x.data_ptr(), router_weight.data_ptr(), correction_bias.data_ptr(), logits.data_ptr(), ids.data_ptr(),
+            weights.data_ptr(), num_tokens, x.shape[1], num_experts, top_k, num_expert_group, topk_group, scoring,
+            int(renormalize), float(routed_scaling_factor), _stream(x.device))
+    check(status, "k3_moe_route")
+    return ids, weights
+
+
+def _launch(entry, x, z, router_weight, correction_bias, weights, latent, inter, num_local, attrs):
+    (num_experts, top_k, num_expert_group, topk_group, expert_offset, scoring, renormalize,
+     routed_scaling_factor, activation, situ_beta, situ_linear_beta) = attrs
+    num_tokens = x.shape[0]
+    out = torch.empty_like(z)
+    if num_tokens == 0:
+        return out
+    with torch.cuda.device(x.device):
+        size = _LIB.k3_moe_workspace_size(num_tokens, num_experts, top_k, num_local, latent, inter)
+        ws = torch.empty(max(size, 1), dtype=torch.uint8, device=x.device)
+        status = entry(
+            x.data_ptr(), z.data_ptr(), router_weight.data_ptr(), correction_bias.data_ptr(),
+            *(w.data_ptr() for w in weights), out.data_ptr(), num_tokens, x.shape[1], latent, inter, num_local,
+            num_experts, top_k, num_expert_group, topk_group, expert_offset, scoring, int(renormalize),
+            float(routed_scaling_factor), activation, float(situ_beta), float(situ_linear_beta), ws.data_ptr(),
+            ws.numel(), _stream(x.device))
+    check(status, entry.__name__)
+    return out
+
+
+def _supported(attrs, num_local: int, latent: int, inter: int) -> bool:
+    num_experts, top_k, num_expert_group = attrs[0], attrs[1], attrs[2]
+    return bool(_LIB.k3_moe_supported(num_experts, num_local, top_k, num_expert_group, latent, inter))
+
+
+_ROUTER = {"x": torch.bfloat16, "z": torch.bfloat16, "router_weight": torch.float32,
+           "correction_bias": torch.float32}
+
+
+def situ_moe_cuda(x, z, router_weight, correction_bias, w13, w2, *attrs):
+    args = (x, z, router_weight, correction_bias, w13, w2, *attrs)
+    tensors = {"x": x, "z": z, "router_weight": router_weight, "correction_bias": correction_bias,
+               "w13": w13, "w2": w2}
+    if not _kernel_ready(tensors, {**_ROUTER, "w13": torch.bfloat16, "w2": torch.bfloat16}):
+        return _reference.situ_moe_reference(*args)
+    _reference._check_routing(x, z, router_weight, correction_bias, attrs[0], attrs[1], attrs[2], attrs[3],
+                               attrs[5], attrs[6], attrs[8], attrs[9], attrs[10])
+    _reference._check_experts(tuple(w13.shape), tuple(w2.shape), z.shape[1], attrs[0], attrs[4], "w13", "w2")
+    num_local, inter = w13.shape[0], w2.shape[2]
+    if not _supported(attrs, num_local, z.shape[1], inter):
+        return _reference.situ_moe_reference(*args)
+    return _launch(_LIB.k3_situ_moe, x, z, router_weight, correction_bias, (w13, w2), z.shape[1], inter, num_local,
+                   attrs)
+
+
+def situ_moe_mxfp4_cuda(x, z, router_weight, correction_bias, w13_packed, w13_scale, w2_packed, w2_scale, *attrs):
+    args = (x, z, router_weight, correction_bias, w13_packed, w13_scale, w2_packed, w2_scale, *attrs)
+    tensors = {"x": x, "z": z, "router_weight": router_weight, "correction_bias": correction_bias,
+               "w13_packed": w13_packed, "w13_scale": w13_scale, "w2_packed": w2_packed, "w2_scale": w2_scale}
+    if not _kernel_ready({k: v for k, v in tensors.items() if "scale" not in k}, _ROUTER):
+        return _reference.situ_moe_mxfp4_reference(*args)
+    _reference._check_routing(x, z, router_weight, correction_bias, attrs[0], attrs[1], attrs[2], attrs[3],
+                              attrs[5], attrs[6], attrs[8], attrs[9], attrs[10])
+    w13_cols = check_mxfp4_pair(w13_packed, w13_scale, "w13_packed", "w13_scale")
+    w2_cols = check_mxfp4_pair(w2_packed, w2_scale, "w2_packed", "w2_scale")
+    _reference._check_experts((*w13_packed.shape[:-1], w13_cols), (*w2_packed.shape[:-1], w2_cols), z.shape[1],
+                              attrs[0], attrs[4], "w13_packed", "w2_packed")
+    num_local, inter = w13_packed.shape[0], w2_cols
+    if not (w13_scale.is_contiguous() and w2_scale.is_contiguous()) or not _supported(attrs, num_local, z.shape[1],
+                                                                                         inter):
+        return _reference.situ_moe_mxfp4_reference(*args)
+    return _launch(_LIB.k3_situ_moe_mxfp4, x, z, router_weight, correction_bias,
+                   (w13_packed, w13_scale, w2_packed, w2_scale), z.shape[1], inter, num_local, attrs)
+
+
+registry.register_kernel(SITU_MOE, "CUDA", situ_moe_cuda)
+registry.register_kernel(SITU_MOE_MXFP4, "CUDA", situ_moe_mxfp4_cuda)

@@ -1,0 +1,100 @@
+// Token permutation for the grouped GEMMs: count the (token, slot) pairs per local expert,
+// prefix-sum them into expert-sorted row ranges and cut those into BM-row tiles, so the
+// GEMM grids cover only experts that received tokens (decode touches <= T*k experts).
+#pragma once
+
+#include <stdint.h>
+
+namespace k3 {
+namespace moe {
+
+struct Schedule {
+  int* counts;          // [El] rows per local expert
+  int* fill;            // [El] scatter cursors
+  int* offsets;         // [El + 1] first sorted row of each expert
+  int* tile_expert;     // [max_tiles] local expert of each M tile
+  int* tile_row;        // [max_tiles] first sorted row of each M tile
+  int* num_tiles;       // [1]
+  int* sorted_token;    // [T*k] token of each sorted row
+  float* sorted_weight; // [T*k] routing weight of each sorted row
+};
+
+// Upper bound on the M tiles: every expert's partial tile plus the full ones.
+__host__ __device__ inline int max_m_tiles(int assignments, int num_local_experts, int bm) {
+  return assignments / bm + (num_local_experts < assignments ? num_local_experts : assignments);
+}
+
+__global__ void count_kernel(const int* __restrict__ topk_ids, int assignments, int expert_offset,
+                             int num_local_experts, int* __restrict__ counts) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= assignments) return;
+  const int local = topk_ids[i] - expert_offset;
+  if (local >= 0 && local < num_local_experts) atomicAdd(&counts[local], 1);
+}
+
+constexpr int kScanThreads = 1024;
+
+// Exclusive block scan of one value per thread (blockDim.x == kScanThreads); `total` gets the sum.
+__device__ int block_exclusive_scan(int v, int* warp_sums, int* total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int inc = v;
+#pragma unroll
+  for (int off = 1; off < 32; off *= 2) {
+    const int o = __shfl_up_sync(0xffffffffu, inc, off);
+    if (lane >= off) inc += o;
+  }
+  if (lane == 31) warp_sums[warp] = inc;
+  __syncthreads();
+  if (warp == 0) {
+    int w = warp_sums[lane], winc = w;
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) {
+      const int o = __shfl_up_sync(0xffffffffu, winc, off);
+      if (lane >= off) winc += o;
+    }
+    warp_sums[lane] = winc - w;
+    if (lane == 31) *total = winc;
+  }
+  __syncthreads();
+  const int result = warp_sums[warp] + inc - v;
+  __syncthreads();  // warp_sums is reused by the next scan
+  return result;
+}
+
+// One CTA of kScanThreads threads; num_local_experts <= kScanThreads.
+__global__ void __launch_bounds__(kScanThreads) schedule_kernel(Schedule s, int num_local_experts, int bm) {
+  __shared__ int warp_sums[32];
+  __shared__ int total_rows, total_tiles;
+  const int e = threadIdx.x;
+  const int n = e < num_local_experts ? s.counts[e] : 0;
+  const int tiles = (n + bm - 1) / bm;
+  const int row0 = block_exclusive_scan(n, warp_sums, &total_rows);
+  const int tile0 = block_exclusive_scan(tiles, warp_sums, &total_tiles);
+  if (e < num_local_experts) {
+    s.offsets[e] = row0;
+    s.fill[e] = 0;
+    for (int j = 0; j < tiles; ++j) {
+      s.tile_expert[tile0 + j] = e;
+      s.tile_row[tile0 + j] = row0 + j * bm;
+    }
+  }
+  if (e == 0) {
+    s.offsets[num_local_experts] = total_rows;
+    *s.num_tiles = total_tiles;
+  }
+}
+
+// Row order inside an expert depends on atomic timing; each row's GEMM result does not.
+__global__ void scatter_kernel(const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
+                               int assignments, int top_k, int expert_offset, int num_local_experts, Schedule s) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= assignments) return;
+  const int local = topk_ids[i] - expert_offset;
+  if (local < 0 || local >= num_local_experts) return;
+  const int pos = s.offsets[local] + atomicAdd(&s.fill[local], 1);
+  s.sorted_token[pos] = i / top_k;
+  s.sorted_weight[pos] = topk_weights[i];
+}
+
+}  // namespace moe
+}  // namespace k3

@@ -1,0 +1,54 @@
+// C ABI of the SiTU latent-MoE kernels (plugins/kernels/moe.cu): the one declaration that the
+// torch bindings (ctypes), the TensorRT plugins and the kernels themselves share.
+// Activations bf16, router weight / correction bias fp32, ids int32. Launchers return a
+// cudaError_t (cudaErrorInvalidValue for unsupported sizes or a short workspace).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// 1 when the kernels are built for these sizes (callers fall back to the reference otherwise):
+// latent and inter multiples of 64, num_experts <= 1024, num_local_experts <= 1024,
+// top_k <= num_experts, at most 32 expert groups when grouping applies.
+int k3_moe_supported(int num_experts, int num_local_experts, int top_k, int num_expert_group, int latent,
+                     int inter);
+
+// Device workspace bytes of k3_situ_moe / k3_situ_moe_mxfp4 (256-byte aligned sub-buffers).
+size_t k3_moe_workspace_size(int num_tokens, int num_experts, int top_k, int num_local_experts, int latent,
+                             int inter);
+
+// Router alone (spec §4.6.1): topk_ids [T, k] (global ids, best biased score first) and
+// topk_weights [T, k] fp32. `logits` is caller scratch of T * num_experts floats.
+int k3_moe_route(const void* x, const float* router_weight, const float* correction_bias, float* logits,
+                 int* topk_ids, float* topk_weights, int num_tokens, int hidden, int num_experts, int top_k,
+                 int num_expert_group, int topk_group, int scoring, int renormalize,
+                 float routed_scaling_factor, cudaStream_t stream);
+
+// Contract K3SituMoe: x [T, D], z [T, L], router_weight [E, D], correction_bias [E],
+// w13 [El, 2I, L] (gate rows then up rows), w2 [El, L, I] -> out [T, L].
+int k3_situ_moe(const void* x, const void* z, const float* router_weight, const float* correction_bias,
+                const void* w13, const void* w2, void* out, int num_tokens, int hidden, int latent, int inter,
+                int num_local_experts, int num_experts, int top_k, int num_expert_group, int topk_group,
+                int expert_offset, int scoring, int renormalize, float routed_scaling_factor, int activation,
+                float situ_beta, float situ_linear_beta, void* workspace, size_t workspace_bytes,
+                cudaStream_t stream);
+
+// Contract K3SituMoeMxfp4: as k3_situ_moe with MXFP4 experts (E2M1 pairs, low nibble first,
+// one E8M0 scale per 32 inputs): w13_packed [El, 2I, L/2], w13_scale [El, 2I, L/32],
+// w2_packed [El, L, I/2], w2_scale [El, L, I/32]; dequantised to bf16 in the GEMMs (W4A16).
+int k3_situ_moe_mxfp4(const void* x, const void* z, const float* router_weight, const float* correction_bias,
+                      const uint8_t* w13_packed, const uint8_t* w13_scale, const uint8_t* w2_packed,
+                      const uint8_t* w2_scale, void* out, int num_tokens, int hidden, int latent, int inter,
+                      int num_local_experts, int num_experts, int top_k, int num_expert_group, int topk_group,
+                      int expert_offset, int scoring, int renormalize, float routed_scaling_factor,
+                      int activation, float situ_beta, float situ_linear_beta, void* workspace,
+                      size_t workspace_bytes, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif

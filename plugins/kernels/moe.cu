@@ -1,0 +1,177 @@
+// SiTU latent-MoE routed part (contracts K3SituMoe / K3SituMoeMxfp4): router, permutation,
+// grouped gate/up GEMM with the GLU epilogue, grouped down GEMM with the weighted fp32
+// combine, one rounding to bf16. C ABI in k3/moe_api.h.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "k3/moe/grouped_gemm.cuh"
+#include "k3/moe/permute.cuh"
+#include "k3/moe/router.cuh"
+#include "k3/moe_api.h"
+
+namespace {
+
+using namespace k3::moe;
+
+constexpr size_t kAlign = 256;
+
+size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+struct Workspace {
+  float* logits;
+  int* topk_ids;
+  float* topk_weights;
+  Schedule schedule;
+  __nv_bfloat16* h;
+  float* acc;
+  size_t bytes;
+};
+
+// Carves the workspace (base == nullptr: sizes only).
+Workspace carve(char* base, int T, int E, int k, int El, int L, int I) {
+  Workspace w{};
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    char* p = base != nullptr ? base + off : nullptr;
+    off += align_up(bytes);
+    return p;
+  };
+  const size_t assignments = (size_t)T * k;
+  const size_t tiles = (size_t)max_m_tiles((int)assignments, El, BM);
+  w.logits = reinterpret_cast<float*>(take((size_t)T * E * sizeof(float)));
+  w.topk_ids = reinterpret_cast<int*>(take(assignments * sizeof(int)));
+  w.topk_weights = reinterpret_cast<float*>(take(assignments * sizeof(float)));
+  w.schedule.counts = reinterpret_cast<int*>(take((size_t)El * sizeof(int)));
+  w.schedule.fill = reinterpret_cast<int*>(take((size_t)El * sizeof(int)));
+  w.schedule.offsets = reinterpret_cast<int*>(take((size_t)(El + 1) * sizeof(int)));
+  w.schedule.tile_expert = reinterpret_cast<int*>(take(tiles * sizeof(int)));
+  w.schedule.tile_row = reinterpret_cast<int*>(take(tiles * sizeof(int)));
+  w.schedule.num_tiles = reinterpret_cast<int*>(take(sizeof(int)));
+  w.schedule.sorted_token = reinterpret_cast<int*>(take(assignments * sizeof(int)));
+  w.schedule.sorted_weight = reinterpret_cast<float*>(take(assignments * sizeof(float)));
+  w.h = reinterpret_cast<__nv_bfloat16*>(take(assignments * I * sizeof(__nv_bfloat16)));
+  w.acc = reinterpret_cast<float*>(take((size_t)T * L * sizeof(float)));
+  w.bytes = off;
+  return w;
+}
+
+bool routing_supported(int E, int k, int G) {
+  if (E < 1 || E > kMaxExperts || k < 1 || k > E || k > kSelectThreads) return false;
+  return !grouping_applies(E, G) || G <= kMaxGroups;
+}
+
+int launch_route(const void* x, const float* router_weight, const float* bias, float* logits, int* topk_ids,
+                 float* topk_weights, int T, int D, int E, int k, int G, int topk_group, int scoring,
+                 int renormalize, float scale, cudaStream_t stream) {
+  if (T <= 0) return cudaSuccess;
+  if (!routing_supported(E, k, G) || D < 1 || (scoring != 0 && scoring != 1)) return cudaErrorInvalidValue;
+  const dim3 grid((E + kLogitTile - 1) / kLogitTile, (T + kLogitTile - 1) / kLogitTile);
+  router_logits_kernel<<<grid, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), router_weight, logits,
+                                                 T, D, E);
+  const RouteParams p{E, k, G, topk_group, scoring, renormalize, scale};
+  router_select_kernel<<<T, kSelectThreads, 0, stream>>>(logits, bias, topk_ids, topk_weights, p);
+  return cudaGetLastError();
+}
+
+struct MoeArgs {
+  const void *x, *z;
+  const float *router_weight, *bias;
+  ExpertWeights w13, w2;
+  void* out;
+  int T, D, L, I, El, E, k, G, topk_group, offset, scoring, renormalize;
+  float scale;
+  GluParams act;
+  void* workspace;
+  size_t workspace_bytes;
+  cudaStream_t stream;
+};
+
+template <bool kMxfp4>
+int moe_forward(const MoeArgs& a) {
+  if (a.T < 0 || a.El < 1 || a.offset < 0 || a.offset + a.El > a.E) return cudaErrorInvalidValue;
+  if (!k3_moe_supported(a.E, a.El, a.k, a.G, a.L, a.I)) return cudaErrorInvalidValue;
+  if (a.T == 0) return cudaSuccess;
+  const Workspace w = carve(static_cast<char*>(a.workspace), a.T, a.E, a.k, a.El, a.L, a.I);
+  if (a.workspace == nullptr || a.workspace_bytes < w.bytes) return cudaErrorInvalidValue;
+  cudaStream_t st = a.stream;
+  int err = launch_route(a.x, a.router_weight, a.bias, w.logits, w.topk_ids, w.topk_weights, a.T, a.D, a.E, a.k,
+                         a.G, a.topk_group, a.scoring, a.renormalize, a.scale, st);
+  if (err != cudaSuccess) return err;
+
+  const int assignments = a.T * a.k;
+  const Schedule& s = w.schedule;
+  cudaMemsetAsync(s.counts, 0, a.El * sizeof(int), st);
+  cudaMemsetAsync(w.acc, 0, (size_t)a.T * a.L * sizeof(float), st);
+  const int blocks = (assignments + 255) / 256;
+  count_kernel<<<blocks, 256, 0, st>>>(w.topk_ids, assignments, a.offset, a.El, s.counts);
+  schedule_kernel<<<1, kScanThreads, 0, st>>>(s, a.El, BM);
+  scatter_kernel<<<blocks, 256, 0, st>>>(w.topk_ids, w.topk_weights, assignments, a.k, a.offset, a.El, s);
+
+  // Grids cover the worst-case M tiles of this many assignments, not El experts' worth:
+  // decode (T*k small) launches at most T*k tiles per column block; spare ones exit at once.
+  const int tiles = max_m_tiles(assignments, a.El, BM);
+  const auto* z = static_cast<const __nv_bfloat16*>(a.z);
+  gate_up_kernel<kMxfp4><<<dim3(tiles, a.I / BN), kGemmThreads, 0, st>>>(z, a.w13, w.h, s, a.L, a.I, a.act);
+  down_kernel<kMxfp4><<<dim3(tiles, a.L / BN), kGemmThreads, 0, st>>>(w.h, a.w2, w.acc, s, a.L, a.I);
+  const int64_t n = (int64_t)a.T * a.L;
+  round_to_bf16_kernel<<<(unsigned)((n / 2 + 255) / 256 + 1), 256, 0, st>>>(w.acc, static_cast<__nv_bfloat16*>(a.out),
+                                                                           n);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+extern "C" {
+
+int k3_moe_supported(int num_experts, int num_local_experts, int top_k, int num_expert_group, int latent,
+                     int inter) {
+  return routing_supported(num_experts, top_k, num_expert_group) && num_local_experts >= 1 &&
+         num_local_experts <= kScanThreads && latent >= BN && latent % BN == 0 && inter >= BN && inter % BN == 0;
+}
+
+size_t k3_moe_workspace_size(int num_tokens, int num_experts, int top_k, int num_local_experts, int latent,
+                             int inter) {
+  if (num_tokens <= 0) return 0;
+  return carve(nullptr, num_tokens, num_experts, top_k, num_local_experts, latent, inter).bytes;
+}
+
+int k3_moe_route(const void* x, const float* router_weight, const float* correction_bias, float* logits,
+                 int* topk_ids, float* topk_weights, int num_tokens, int hidden, int num_experts, int top_k,
+                 int num_expert_group, int topk_group, int scoring, int renormalize,
+                 float routed_scaling_factor, cudaStream_t stream) {
+  return launch_route(x, router_weight, correction_bias, logits, topk_ids, topk_weights, num_tokens, hidden,
+                      num_experts, top_k, num_expert_group, topk_group, scoring, renormalize,
+                      routed_scaling_factor, stream);
+}
+
+int k3_situ_moe(const void* x, const void* z, const float* router_weight, const float* correction_bias,
+                const void* w13, const void* w2, void* out, int num_tokens, int hidden, int latent, int inter,
+                int num_local_experts, int num_experts, int top_k, int num_expert_group, int topk_group,
+                int expert_offset, int scoring, int renormalize, float routed_scaling_factor, int activation,
+                float situ_beta, float situ_linear_beta, void* workspace, size_t workspace_bytes,
+                cudaStream_t stream) {
+  const MoeArgs a{x, z, router_weight, correction_bias,
+                  ExpertWeights{static_cast<const __nv_bfloat16*>(w13), nullptr, nullptr},
+                  ExpertWeights{static_cast<const __nv_bfloat16*>(w2), nullptr, nullptr}, out, num_tokens, hidden,
+                  latent, inter, num_local_experts, num_experts, top_k, num_expert_group, topk_group,
+                  expert_offset, scoring, renormalize, routed_scaling_factor,
+                  GluParams{activation, situ_beta, situ_linear_beta}, workspace, workspace_bytes, stream};
+  return moe_forward<false>(a);
+}
+
+int k3_situ_moe_mxfp4(const void* x, const void* z, const float* router_weight, const float* correction_bias,
+                      const uint8_t* w13_packed, const uint8_t* w13_scale, const uint8_t* w2_packed,
+                      const uint8_t* w2_scale, void* out, int num_tokens, int hidden, int latent, int inter,
+                      int num_local_experts, int num_experts, int top_k, int num_expert_group, int topk_group,
+                      int expert_offset, int scoring, int renormalize, float routed_scaling_factor,
+                      int activation, float situ_beta, float situ_linear_beta, void* workspace,
+                      size_t workspace_bytes, cudaStream_t stream) {
+  const MoeArgs a{x, z, router_weight, correction_bias, ExpertWeights{nullptr, w13_packed, w13_scale},
+                  ExpertWeights{nullptr, w2_packed, w2_scale}, out, num_tokens, hidden, latent, inter,
+                  num_local_experts, num_experts, top_k, num_expert_group, topk_group, expert_offset, scoring,
+                  renormalize, routed_scaling_factor, GluParams{activation, situ_beta, situ_linear_beta},
+                  workspace, workspace_bytes, stream};
+  return moe_forward<true>(a);
+}
+
+}  // extern "C"

@@ -1,0 +1,204 @@
+"""CUDA SiTU latent-MoE kernels (plugins/kernels/moe.cu) against the fp32 reference on CPU.
+
+Skipped without CUDA. Needs the kernel library (build_scripts/build_kernels.sh or
+K3_KERNELS_LIB); the TensorRT plugin cases also need build/libk3_trt_plugins.so and
+build/libk3_trt_harness.so (bench/moe_device_run.sh builds all three).
+
+Selection: the CUDA router's top-k sets must equal the fp32 reference's (naive.route on CPU)
+for every token whose k-th and (k+1)-th biased scores differ by more than 1e-5; both sum
+the logits in fp32 in different orders (a few ulps, ~1e-7 relative), so only a closer
+gap could flip. Routing weights agree to 1e-5 relative.
+
+Outputs: relative Frobenius error <= 2e-3 against the reference's bf16 output. Both sides
+multiply the same bf16 operands exactly and accumulate in fp32 (different order: ~1e-6
+relative), round h once to bf16 and the fp32 sum once to bf16, so they differ only where
+an fp32 value sits within that ~1e-6 of a bf16 rounding boundary (one bf16 ulp, 2^-8
+relative, on a small fraction of elements): ~1e-4 in practice. A wrong row, expert, tile
+or weight gives O(1e-1) or more. MXFP4: the reference dequantises exactly to bf16 as the
+kernel does, so the same bound holds.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+ROOT = Path(__file__).resolve().parents[2]
+TOL = 2e-3
+TIE_GAP = 1e-5
+
+# (num_experts, local experts, expert_offset, top_k, groups, topk_group, scoring, renormalize,
+#  scale, activation, beta, linear_beta, L, I, D)
+CASES = {
+    "plain": (8, 8, 0, 3, 1, 1, 0, 1, 1.0, 1, 2.0, 4.0, 64, 64, 96),
+    "grouped_softmax": (16, 16, 0, 4, 4, 2, 1, 1, 1.5, 1, 1.5, 0.0, 64, 64, 80),
+    "ep_shard_silu": (16, 6, 5, 4, 1, 1, 0, 0, 2.5, 0, 1.0, 0.0, 128, 192, 64),
+}
+K3_CASE = (896, 112, 224, 16, 1, 1, 0, 1, 1.0, 1, 2.0, 4.0, 3584, 3072, 7168)
+
+
+@pytest.fixture(scope="module")
+def cuda_moe():
+    from k3_trtllm.kernels import moe  # registers the CUDA kernels
+    return moe
+
+
+def attrs_of(case):
+    E, El, off, k, G, TG, scoring, renorm, scale, act, beta, lbeta = case[:12]
+    return (E, k, G, TG, off, scoring, renorm, scale, act, beta, lbeta)
+
+
+def make_inputs(case, T, mxfp4, seed, device="cpu"):
+    """bf16 activations, fp32 router, bf16 or MXFP4 experts (generated on `device`)."""
+    from k3_trtllm.ops.moe.mxfp4 import quantize_mxfp4
+    E, El, L, I, D = case[0], case[1], case[12], case[13], case[14]
+    g = torch.Generator(device=device).manual_seed(seed)
+    rnd = lambda *s, k=1.0: torch.randn(*s, generator=g, device=device) * k  # noqa: E731
+    x = rnd(T, D).bfloat16()
+    z = rnd(T, L).bfloat16()
+    router = rnd(E, D, k=D ** -0.5)
+    bias = rnd(E, k=0.1)
+    if not mxfp4:
+        return [x, z, router, bias, rnd(El, 2 * I, L, k=L ** -0.5).bfloat16(), rnd(El, L, I, k=I ** -0.5).bfloat16()]
+    if device == "cpu":
+        w13 = quantize_mxfp4(rnd(El, 2 * I, L, k=L ** -0.5))
+        w2 = quantize_mxfp4(rnd(El, L, I, k=I ** -0.5))
+        return [x, z, router, bias, *w13, *w2]
+    # K3 size: random codes and scales straight on the device (quantising 2.5e9 weights on
+    # the host would dominate the test); scale bytes around 2^-6 keep gate/up O(1).
+    out = [x, z, router, bias]
+    for rows, cols in ((2 * I, L), (L, I)):
+        out.append(torch.randint(0, 256, (El, rows, cols // 2), generator=g, device=device, dtype=torch.uint8))
+        out.append(torch.randint(119, 123, (El, rows, cols // 32), generator=g, device=device, dtype=torch.uint8))
+    return out
+
+
+def rel_err(x, ref) -> float:
+    x, ref = x.double().cpu(), ref.double().cpu()
+    assert torch.isfinite(x).all(), "non-finite values"
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def check_selection(cuda_moe, inputs, attrs):
+    """CUDA router vs naive.route (fp32, CPU): same expert sets away from near-ties, same weights."""
+    from k3_trtllm.ops.moe import naive
+    E, k, G, TG, _off, scoring, renorm, scale = attrs[:8]
+    x, _z, router, bias = inputs[:4]
+    ids, w = cuda_moe.route(x, router, bias, k, G, TG, scoring, bool(renorm), scale)
+    ref_ids, ref_w = naive.route(x.cpu(), router.cpu(), bias.cpu(), k, G, TG, scoring, bool(renorm), scale)
+    logits = x.cpu().float() @ router.cpu().T
+    scores = torch.sigmoid(logits) if scoring == 0 else torch.softmax(logits, -1)
+    sel = scores + bias.cpu()
+    if naive.grouping_applies(E, G):
+        sel = naive._keep_best_groups(sel, G, TG)
+    top = sel.topk(min(k + 1, E), dim=-1).values
+    clear = (top[:, k - 1] - top[:, k] > TIE_GAP) if k < E else torch.ones(x.shape[0], dtype=torch.bool)
+    assert clear.float().mean() > 0.9, "too many near-ties to test the selection"
+    got = ids.cpu().long().sort(-1).values[clear]
+    want = ref_ids.sort(-1).values[clear]
+    assert torch.equal(got, want), "CUDA router selected other experts than the fp32 reference"
+    same = torch.equal(ids.cpu().long(), ref_ids)  # then the weights are comparable slot by slot
+    if same:
+        torch.testing.assert_close(w.cpu(), ref_w.float(), rtol=1e-5, atol=1e-7)
+    return ref_ids, ref_w
+
+
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["bf16", "mxfp4"])
+@pytest.mark.parametrize("T", [1, 7, 300])
+@pytest.mark.parametrize("name", list(CASES))
+def test_tiny_moe_matches_the_reference(cuda_moe, name, T, mxfp4):
+    case = CASES[name]
+    cpu = make_inputs(case, T, mxfp4, seed=T)
+    attrs = attrs_of(case)
+    dev = [t.cuda() for t in cpu]
+    ref_ids, _ = check_selection(cuda_moe, dev, attrs)
+    op = torch.ops.k3.situ_moe_mxfp4 if mxfp4 else torch.ops.k3.situ_moe
+    out = op(*dev, *attrs)
+    ref = op(*cpu, *attrs)  # the fp32 reference (CPU dispatch)
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    assert rel_err(out, ref) < TOL
+    local = ref_ids - case[2]
+    elsewhere = ~((local >= 0) & (local < case[1])).any(-1)  # all k experts on other ranks
+    assert torch.equal(out.cpu()[elsewhere], torch.zeros_like(ref[elsewhere]))
+
+
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["bf16", "mxfp4"])
+def test_k3_dims_ep_rank_matches_the_reference(cuda_moe, mxfp4):
+    """K3: 896 experts top-16, this rank holds 112 (EP8 rank 2), latent 3584, I 3072."""
+    from k3_trtllm.ops.moe import naive
+    from k3_trtllm.ops.moe.mxfp4 import dequantize_mxfp4
+    case, T = K3_CASE, 16
+    attrs = attrs_of(case)
+    dev = make_inputs(case, T, mxfp4, seed=3, device="cuda")
+    ref_ids, ref_w = check_selection(cuda_moe, dev, attrs)
+    op = torch.ops.k3.situ_moe_mxfp4 if mxfp4 else torch.ops.k3.situ_moe
+    out = op(*dev, *attrs)
+    # Reference: naive.route + naive.routed_experts on CPU over the local experts that got
+    # tokens (the others contribute nothing), fp32 math; MXFP4 is dequantised exactly first.
+    E, off, act, beta, lbeta = attrs[0], attrs[4], attrs[8], attrs[9], attrs[10]
+    z = dev[1].cpu()
+    local = ref_ids - off
+    active = torch.unique(local[(local >= 0) & (local < case[1])])
+    assert active.numel() > 0
+    if mxfp4:
+        idx = active.cuda()
+        w13 = dequantize_mxfp4(dev[4][idx], dev[5][idx]).cpu()
+        w2 = dequantize_mxfp4(dev[6][idx], dev[7][idx]).cpu()
+    else:
+        w13, w2 = dev[4][active.cuda()].cpu(), dev[5][active.cuda()].cpu()
+    remap = torch.full((E,), -1, dtype=torch.long)
+    remap[active + off] = torch.arange(active.numel())
+    ref = naive.routed_experts(z, remap[ref_ids], ref_w, w13, w2, 0, act, beta, lbeta)
+    err = rel_err(out, ref)
+    print(f"K3 {'mxfp4' if mxfp4 else 'bf16'}: {active.numel()} active local experts, rel err {err:.2e}")
+    assert err < TOL
+
+
+# --- TensorRT plugin through the harness (plugins/trt/harness/plugin_harness.cpp) ---------------
+PLUGINS = Path(os.environ.get("K3_TRT_PLUGINS_LIB", ROOT / "build/libk3_trt_plugins.so"))
+HARNESS = Path(os.environ.get("K3_TRT_HARNESS_LIB", ROOT / "build/libk3_trt_harness.so"))
+TRT_DTYPE = {torch.float32: 0, torch.int32: 3, torch.uint8: 5, torch.bfloat16: 7}
+
+
+def _arr(ctype, values):
+    return (ctype * max(1, len(values)))(*values)
+
+
+def run_plugin(contract, inputs, attrs):
+    """Create / serialise / enqueue the plugin as TensorRT does; returns (out, workspace bytes)."""
+    lib = ctypes.CDLL(str(HARNESS))
+    lib.k3h_run.restype = ctypes.c_int
+    out = torch.empty_like(inputs[1])  # [T, L] in the activation dtype
+    err = ctypes.create_string_buffer(512)
+    ws = ctypes.c_int64(0)
+    rc = lib.k3h_run(
+        str(PLUGINS).encode(), contract.plugin.encode(), len(attrs),
+        _arr(ctypes.c_char_p, [a.name.encode() for a in contract.attrs]),
+        _arr(ctypes.c_int, [a.kind == "float" for a in contract.attrs]), _arr(ctypes.c_double, attrs),
+        len(inputs), _arr(ctypes.c_int, [TRT_DTYPE[t.dtype] for t in inputs]),
+        _arr(ctypes.c_int, [t.dim() for t in inputs]), _arr(ctypes.c_int64, [d for t in inputs for d in t.shape]),
+        _arr(ctypes.c_void_p, [t.data_ptr() for t in inputs]), 1, _arr(ctypes.c_int, [TRT_DTYPE[out.dtype]]),
+        _arr(ctypes.c_int, [2]), _arr(ctypes.c_int64, list(out.shape)), _arr(ctypes.c_void_p, [out.data_ptr()]),
+        ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), ctypes.byref(ws), err, 512)
+    assert rc == 0, err.value.decode()
+    return out, ws.value
+
+
+@pytest.mark.skipif(not (PLUGINS.exists() and HARNESS.exists()), reason="plugin library / harness not built")
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["bf16", "mxfp4"])
+def test_trt_plugin_matches_the_reference(cuda_moe, mxfp4):
+    from k3_trtllm.ops import contract as C
+    case, T = CASES["ep_shard_silu"], 37
+    cpu = make_inputs(case, T, mxfp4, seed=11)
+    attrs = attrs_of(case)
+    contract = C.SITU_MOE_MXFP4 if mxfp4 else C.SITU_MOE
+    out, ws = run_plugin(contract, [t.cuda() for t in cpu], attrs)
+    ref = getattr(torch.ops.k3, contract.name)(*cpu, *attrs)
+    assert rel_err(out, ref) < TOL
+    E, El, L, I = case[0], case[1], case[12], case[13]
+    assert ws == cuda_moe._LIB.k3_moe_workspace_size(T, E, attrs[1], El, L, I) > 0
