@@ -25,7 +25,7 @@ def main(src: str = "bench/results/moe_h200.json", dst: str = "bench/results/moe
     left.set_ylabel("TFLOP/s")
     s = r["shape"]
     left.set_title(f"prefill: 4096 tok x top-{s['top_k']}, {s['El']} experts, L {s['L']}, I {s['I']}", fontsize=9)
-    left.tick_params(axis="x", labelsize=7)
+    left.tick_params(axis="x", labelsize=7, labelrotation=12)
     left.legend(fontsize=8)
     for fmt, color in (("bf16", "C0"), ("mxfp4", "C1")):
         ts = sorted(int(k.split("_T")[1]) for k in r["decode"] if k.startswith(fmt))
