@@ -24,10 +24,13 @@ from k3_trtllm.export.exporter import check_onnx
 from k3_trtllm.export.schemas import DOMAIN
 from k3_trtllm.model import build_step, load_model
 from k3_trtllm.ops.contract import ALL_CONTRACTS
+from k3_trtllm.trt.builder import PlanBuildError, build_plan
 from k3_trtllm.trt.executor import binding_plan
 
 BS = 16
 HAVE_RTX = importlib.util.find_spec("tensorrt_rtx_bindings") is not None
+NEEDS_RTX = pytest.mark.skipif(not HAVE_RTX, reason="TensorRT-RTX not installed (pip install "
+                               "tensorrt-rtx-cu13-bindings tensorrt-rtx-cu13-libs)")
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,6 +79,23 @@ def test_graph_passes_checker_and_has_one_plugin_node_per_op(engine):
     # every shape is known to the checker, weights live outside the graph file
     assert (out / "rank0.onnx.data").stat().st_size > (out / "rank0.onnx").stat().st_size
     assert not any(n.metadata_props for n in graph.graph.node)
+
+
+def test_mxfp4_weights_are_the_checkpoint_bytes_viewed_as_int8(engine):
+    """TensorRT-RTX's ONNX parser widens UINT8 weights to INT32, so the graph carries the
+    contract's uint8 inputs as INT8 initializers holding exactly the checkpoint's bytes."""
+    ckpt, out = engine
+    graph = onnx.load(str(out / "rank0.onnx"))
+    weights = {w.name: w for w in graph.graph.initializer}
+    byte_buffers = {f"model.{n}": b for n, b in load_model(ckpt, dtype=torch.float32).named_buffers()
+                    if b.dtype == torch.uint8}
+    fed = {node.input[i] for node in graph.graph.node if node.domain == DOMAIN
+           for i, t in enumerate({c.plugin: c for c in ALL_CONTRACTS}[node.op_type].inputs) if t.dtype == "uint8"}
+    assert fed == set(byte_buffers) and fed
+    for name, buffer in byte_buffers.items():
+        assert weights[name].data_type == onnx.TensorProto.INT8, name
+        stored = onnx.numpy_helper.to_array(weights[name])
+        assert torch.equal(torch.from_numpy(stored.view("uint8")), buffer), name
 
 
 def test_graph_io_is_the_step_contract_and_the_binding_plan(engine):
@@ -142,8 +162,7 @@ def test_cpu_execution_of_the_graph_equals_the_torch_model(engine):
             torch.testing.assert_close(graph_logits, logits, rtol=0, atol=1e-3)
 
 
-@pytest.mark.skipif(not HAVE_RTX, reason="TensorRT-RTX not installed (pip install tensorrt-rtx-cu13-bindings "
-                                         "tensorrt-rtx-cu13-libs)")
+@NEEDS_RTX
 def test_tensorrt_rtx_builds_a_plan_with_two_profiles(engine):
     _, out = engine
     config = json.loads((out / "config.json").read_text())
@@ -154,3 +173,21 @@ def test_tensorrt_rtx_builds_a_plan_with_two_profiles(engine):
     assert decode["input_ids"] == [[1], [4], [4]] and prefill["input_ids"][2] == [64]
     assert config["builder"]["module"] == "tensorrt_rtx_bindings"
     assert {p["name"] for p in config["plugins"]} == {"K3KdaPrefill", "K3MlaPrefill", "K3SituMoeMxfp4"}
+
+
+@NEEDS_RTX
+def test_builder_names_a_byte_weight_typed_otherwise_after_parsing(engine, tmp_path):
+    """The same bytes as UINT8 initializers, which TensorRT-RTX 1.7's parser widens to INT32:
+    the build stops before the builder (a Python plugin offered no usable type aborts the
+    process) and names the input."""
+    from k3_trtllm.trt.bindings import import_tensorrt
+
+    _, out = engine
+    graph = onnx.load(str(out / "rank0.onnx"))
+    for w in graph.graph.initializer:
+        if w.data_type == onnx.TensorProto.INT8:
+            w.data_type = onnx.TensorProto.UINT8  # raw_data unchanged: the same bytes
+    onnx.save(graph, str(tmp_path / "uint8.onnx"), save_as_external_data=True, location="uint8.onnx.data")
+    profiles = json.loads((out / "config.json").read_text())["profiles"]
+    with pytest.raises(PlanBuildError, match=r"K3SituMoeMxfp4 .*input w13_packed .* the plugin takes DataType.INT8"):
+        build_plan(import_tensorrt("tensorrt-rtx"), tmp_path / "uint8.onnx", profiles, log=lambda msg: None)

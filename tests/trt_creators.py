@@ -11,6 +11,7 @@ import numpy as np
 
 from k3_trtllm.export.schemas import node_outputs
 from k3_trtllm.ops.contract import ALL_CONTRACTS, PLUGIN_NAMESPACE, PLUGIN_VERSION, OpContract
+from k3_trtllm.trt.builder import fixed_input_types
 
 
 def _act_types(trt):
@@ -20,7 +21,7 @@ def _act_types(trt):
 def make_plugin_classes(trt, contract: OpContract):
     outputs = node_outputs(contract)
     field_types = {"int": (trt.PluginFieldType.INT32, np.int32), "float": (trt.PluginFieldType.FLOAT32, np.float32)}
-    fixed_types = {"fp32": trt.float32, "int32": trt.int32, "uint8": trt.uint8}
+    fixed_types = fixed_input_types(trt)  # contract "uint8" is INT8, a view of the same bytes
     first_act = next(i for i, t in enumerate(contract.inputs) if t.dtype == "act")
 
     class Plugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, trt.IPluginV3OneRuntime):
@@ -70,10 +71,6 @@ def make_plugin_classes(trt, contract: OpContract):
             if desc.format != trt.TensorFormat.LINEAR:
                 return False
             spec = contract.inputs[pos] if pos < num_inputs else outputs[pos - num_inputs]
-            if spec.dtype == "uint8":
-                # TensorRT-RTX 1.7's ONNX parser widens UINT8 initializers to INT32 (it says so
-                # in a warning); a plugin refusing the type it is offered aborts the process.
-                return desc.type in (trt.uint8, trt.int32)
             if spec.dtype != "act":
                 return desc.type == fixed_types[spec.dtype]
             if pos == first_act:

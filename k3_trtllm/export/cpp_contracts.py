@@ -7,9 +7,12 @@ exactly; a test checks the committed file equals this generator's output.
 from __future__ import annotations
 
 from ..ops.contract import ALL_CONTRACTS, PLUGIN_NAMESPACE, PLUGIN_VERSION, OpContract
-from .schemas import node_outputs
+from .schemas import BYTES_CONTRACT_DTYPE, BYTES_TRT_TYPE, node_outputs
 
-_DTYPE = {"act": "DType::kAct", "fp32": "DType::kFp32", "int32": "DType::kInt32", "uint8": "DType::kUint8"}
+# Fixed dtypes are named by the TensorRT type the plugin accepts: contract "uint8" is
+# DType::kInt8 (schemas.BYTES_TRT_TYPE, same bytes).
+_DTYPE = {"act": "DType::kAct", "fp32": "DType::kFp32", "int32": "DType::kInt32",
+          BYTES_CONTRACT_DTYPE: f"DType::k{BYTES_TRT_TYPE.capitalize()}"}
 _KIND = {"int": "AttrKind::kInt", "float": "AttrKind::kFloat"}
 
 

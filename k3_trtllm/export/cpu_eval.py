@@ -14,16 +14,19 @@ from onnx.reference.op_run import OpRun
 
 from ..ops.contract import ALL_CONTRACTS, OpContract
 from .engine_io import STEP_INPUTS, TensorIO
-from .schemas import DOMAIN, register_schemas
+from .schemas import BYTES_CONTRACT_DTYPE, DOMAIN, register_schemas
 from .translations import exported_op
 
 
 def _make_oprun(contract: OpContract) -> type[OpRun]:
     op = exported_op(contract)
+    # the graph carries contract-"uint8" bytes as INT8 (schemas.BYTES_ONNX_TYPE); the ops read uint8
+    read_as = [np.uint8 if t.dtype == BYTES_CONTRACT_DTYPE else None for t in contract.inputs]
 
     def _run(self, *inputs, **attributes):
         # copies: the evaluator's arrays may be read-only views of the weights
-        tensors = [torch.from_numpy(np.array(x, copy=True)) for x in inputs]
+        arrays = [np.array(x, copy=True) for x in inputs]
+        tensors = [torch.from_numpy(a if dt is None else a.view(dt)) for a, dt in zip(arrays, read_as)]
         values = [attributes[a.name] for a in contract.attrs]
         outs = op(*tensors, *values)
         outs = (outs,) if isinstance(outs, torch.Tensor) else outs

@@ -11,13 +11,15 @@ import sys
 from pathlib import Path
 
 import onnx
+import onnx_ir as ir
 import torch
 from torch.export import Dim
 
 from ..model.step import build_step
+from ..ops.contract import ALL_CONTRACTS
 from .engine_io import (LOGITS, MAX_BLOCKS, MAX_SLOTS, NUM_BLOCKS, SEQS, SEQS_PLUS_1, TOKENS, TensorIO,
                         engine_inputs, engine_outputs, flatten_step, pool_tensor)
-from .schemas import DOMAIN, DOMAIN_VERSION, register_schemas
+from .schemas import BYTES_CONTRACT_DTYPE, BYTES_ONNX_TYPE, DOMAIN, DOMAIN_VERSION, register_schemas
 from .step_graph import StepGraph
 from .translations import translation_table
 
@@ -55,6 +57,32 @@ def _strip_metadata(ir_model) -> None:
     ir_model.metadata_props.clear()
 
 
+def _bytes_slots() -> dict[str, set[int]]:
+    """Plugin -> indices of its contract-"uint8" inputs."""
+    return {c.plugin: {i for i, t in enumerate(c.inputs) if t.dtype == BYTES_CONTRACT_DTYPE} for c in ALL_CONTRACTS}
+
+
+def _retype_byte_weights(ir_model) -> None:
+    """Give the weights feeding contract-"uint8" inputs the graph's byte type (``schemas.BYTES_ONNX_TYPE``),
+    a view of the same bytes. Done on the exported model because the translations see those
+    weights as lifted graph inputs, and ONNX has no bit cast a translation could insert."""
+    slots = _bytes_slots()
+    byte_type = ir.DataType(BYTES_ONNX_TYPE)
+    for node in ir_model.graph.all_nodes():
+        for i in slots.get(node.op_type, ()) if node.domain == DOMAIN else ():
+            value = node.inputs[i]
+            if value.dtype == byte_type:
+                continue  # a weight shared with an earlier node
+            if value.const_value is None or not value.is_initializer():
+                raise ValueError(f"{node.op_type}: input {i} ({value.name}) must be a weight, got a computed tensor")
+            users = [(u.node.domain, u.node.op_type, u.idx) for u in value.uses()]
+            if any(d != DOMAIN or idx not in slots.get(op, ()) for d, op, idx in users):
+                raise ValueError(f"{value.name} feeds nodes other than plugin byte inputs: {users}")
+            data = value.const_value.numpy().view(byte_type.numpy())
+            value.const_value = ir.Tensor(data, name=value.name)
+            value.type = ir.TensorType(byte_type)
+
+
 def export_step_onnx(model, path: str | Path, block_size: int, log=None) -> Path:
     """Export ``model`` to ``path`` (+ ``path.data`` external weights); returns ``path``."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
@@ -73,6 +101,7 @@ def export_step_onnx(model, path: str | Path, block_size: int, log=None) -> Path
             verbose=False,
         )
     _strip_metadata(program.model)
+    _retype_byte_weights(program.model)
     program.model.opset_imports[DOMAIN] = DOMAIN_VERSION
     path.parent.mkdir(parents=True, exist_ok=True)
     program.save(str(path), external_data=True)

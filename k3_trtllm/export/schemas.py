@@ -14,13 +14,21 @@ from ..ops.contract import ALL_CONTRACTS, PLUGIN_NAMESPACE, PLUGIN_VERSION, OpCo
 DOMAIN = "k3"
 DOMAIN_VERSION = 1
 
+# Contract dtype "uint8" (packed MXFP4 codes, E8M0 scales) is carried by the graph and by
+# TensorRT as INT8, a bit-identical view of the same bytes: TensorRT-RTX 1.7's ONNX parser
+# widens UINT8 initializers to INT32 (4x the memory, values no kernel reads) but keeps INT8
+# ones. The reference ops and the CUDA kernels read the bytes as uint8 again.
+BYTES_CONTRACT_DTYPE = "uint8"
+BYTES_ONNX_TYPE = onnx.TensorProto.INT8
+BYTES_TRT_TYPE = "INT8"  # trt.DataType.INT8 / nvinfer1::DataType::kINT8
+
 # Dtype tag of the contract -> (type-constraint name, allowed ONNX tensor types).
 # "act" admits fp32/fp64 besides bf16/fp16 because the reference model exports in any dtype.
 _TYPE_CONSTRAINTS = {
     "act": ("T_act", ("tensor(bfloat16)", "tensor(float16)", "tensor(float)", "tensor(double)")),
     "fp32": ("T_f32", ("tensor(float)", "tensor(double)")),
     "int32": ("T_i32", ("tensor(int32)",)),
-    "uint8": ("T_u8", ("tensor(uint8)",)),
+    BYTES_CONTRACT_DTYPE: ("T_u8", (f"tensor({onnx.TensorProto.DataType.Name(BYTES_ONNX_TYPE).lower()})",)),
 }
 _ATTR_TYPES = {"int": defs.OpSchema.AttrType.INT, "float": defs.OpSchema.AttrType.FLOAT}
 

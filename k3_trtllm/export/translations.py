@@ -4,7 +4,9 @@ Each exported op (the functional twin ``k3::<name>_functional`` of an op that up
 caches, the op itself when it updates none) becomes one node ``k3.<Plugin>`` carrying
 ``plugin_version`` / ``plugin_namespace`` and the contract's attributes (the only ones
 the plugin creator lists as fields). Index inputs are cast to int32 in the graph, since
-a TensorRT plugin offered int64 aborts the build (DESIGN §9)."""
+a TensorRT plugin offered int64 aborts the build (DESIGN §9). The weights feeding
+contract-"uint8" inputs are lifted graph inputs here; the exporter retypes them to
+``schemas.BYTES_ONNX_TYPE`` afterwards (same bytes), which the schemas require."""
 from __future__ import annotations
 
 import onnxscript

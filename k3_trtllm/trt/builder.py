@@ -6,6 +6,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from ..export.schemas import BYTES_CONTRACT_DTYPE, BYTES_TRT_TYPE
+from ..ops.contract import ALL_CONTRACTS, PLUGIN_NAMESPACE
 from .profiles import DECODE, PREFILL
 
 PROFILE_ORDER = (PREFILL, DECODE)  # profile index 0 and 1 in the plan
@@ -23,6 +25,32 @@ def load_plugin_library(trt: ModuleType, path: str | Path) -> None:
     trt.get_plugin_registry().load_library(str(path))
 
 
+def fixed_input_types(trt: ModuleType) -> dict:
+    """Contract dtype -> the one TensorRT type a K3 plugin takes for it ("act" is free)."""
+    return {"fp32": trt.DataType.FLOAT, "int32": trt.DataType.INT32,
+            BYTES_CONTRACT_DTYPE: getattr(trt.DataType, BYTES_TRT_TYPE)}
+
+
+def check_plugin_input_types(trt: ModuleType, network) -> None:
+    """Names a K3 plugin input the parser typed differently from the contract (e.g. a UINT8
+    weight widened to INT32); the builder would only say that no format is supported, and
+    with Python plugins the process aborts."""
+    contracts = {c.plugin: c for c in ALL_CONTRACTS}
+    fixed = fixed_input_types(trt)
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if layer.type != trt.LayerType.PLUGIN_V3:
+            continue
+        layer.__class__ = trt.IPluginV3Layer  # the bindings' downcast
+        core = layer.plugin.get_capability_interface(trt.PluginCapabilityType.CORE)
+        contract = contracts.get(core.plugin_name) if core.plugin_namespace == PLUGIN_NAMESPACE else None
+        for k, spec in enumerate(contract.inputs if contract is not None else ()):
+            got = layer.get_input(k).dtype
+            if spec.dtype in fixed and got != fixed[spec.dtype]:
+                raise PlanBuildError(f"{contract.plugin} {layer.name}: input {spec.name} ({layer.get_input(k).name}) "
+                                     f"is {got} after parsing, the plugin takes {fixed[spec.dtype]}")
+
+
 def build_plan(trt: ModuleType, onnx_path: str | Path, profiles: dict[str, dict[str, list[list[int]]]],
                log=None) -> bytes:
     """``profiles``: phase -> input name -> [min, opt, max] shapes. Plugins must already be
@@ -37,6 +65,7 @@ def build_plan(trt: ModuleType, onnx_path: str | Path, profiles: dict[str, dict[
     if not parser.parse_from_file(str(onnx_path)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise PlanBuildError(f"ONNX parser rejected {onnx_path}: {errors}")
+    check_plugin_input_types(trt, network)
     config = builder.create_builder_config()
     names = {network.get_input(i).name for i in range(network.num_inputs)}
     for phase in PROFILE_ORDER:

@@ -6,7 +6,10 @@
 
 namespace k3trt {
 
-enum class DType { kAct, kFp32, kInt32, kUint8 };
+// Fixed dtypes are named by the TensorRT type the plugins accept. The contract's "uint8" tensors
+// (MXFP4 codes and scales) arrive as kInt8, a view of the same bytes: TensorRT-RTX's ONNX parser
+// widens UINT8 weights to INT32 but keeps INT8 ones; the kernels read the pointers as uint8_t.
+enum class DType { kAct, kFp32, kInt32, kInt8 };
 enum class AttrKind { kInt, kFloat };
 
 constexpr int kMaxInputs = 16;

@@ -12,7 +12,7 @@ DataType fixed_type(DType d) {
   switch (d) {
     case DType::kFp32: return DataType::kFLOAT;
     case DType::kInt32: return DataType::kINT32;
-    case DType::kUint8: return DataType::kUINT8;
+    case DType::kInt8: return DataType::kINT8;
     case DType::kAct: break;
   }
   // The CUDA kernels take bf16 activations and caches.

@@ -162,7 +162,8 @@ def test_k3_dims_ep_rank_matches_the_reference(cuda_moe, mxfp4):
 # --- TensorRT plugin through the harness (plugins/trt/harness/plugin_harness.cpp) ---------------
 PLUGINS = Path(os.environ.get("K3_TRT_PLUGINS_LIB", ROOT / "build/libk3_trt_plugins.so"))
 HARNESS = Path(os.environ.get("K3_TRT_HARNESS_LIB", ROOT / "build/libk3_trt_harness.so"))
-TRT_DTYPE = {torch.float32: 0, torch.int32: 3, torch.uint8: 5, torch.bfloat16: 7}
+# nvinfer1::DataType codes; contract "uint8" tensors are bound as INT8 (2), see export/schemas.py
+TRT_DTYPE = {torch.float32: 0, torch.int32: 3, torch.uint8: 2, torch.bfloat16: 7}
 
 
 def _arr(ctype, values):

@@ -38,7 +38,8 @@ HARNESS = Path(os.environ.get("K3_TRT_HARNESS_LIB", ROOT / "build/libk3_trt_harn
 if not PLUGINS.exists() or not HARNESS.exists():
     pytest.skip("build the plugin library and the harness first", allow_module_level=True)
 
-TRT_DTYPE = {torch.float32: 0, torch.float16: 1, torch.int32: 3, torch.uint8: 5, torch.bfloat16: 7}
+# nvinfer1::DataType codes; contract "uint8" tensors are bound as INT8 (2), see export/schemas.py
+TRT_DTYPE = {torch.float32: 0, torch.float16: 1, torch.int32: 3, torch.uint8: 2, torch.bfloat16: 7}
 _lib = ctypes.CDLL(str(HARNESS))
 _lib.k3h_run.restype = ctypes.c_int
 
