@@ -5,28 +5,32 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from .. import ops  # noqa: F401  (registers the k3:: ops)
 from ..checkpoint.hf import CheckpointError
 from ..checkpoint.loader import load_hf_state_dict
-from ..checkpoint.trtllm import is_trtllm_checkpoint, load_trtllm_state_dict
+from ..checkpoint.trtllm import is_trtllm_checkpoint, load_trtllm_state_dict, read_trtllm_config
 from ..kernels import library_path as kernel_library_path
 from ..kernels import register_cuda_kernels
 from ..ops.common import compute_dtype
 from .caches import K3Caches
 from .k3 import K3ForCausalLM
+from .parallel import Parallel
 from .step import StepInputs, build_step
 
-__all__ = ["K3ForCausalLM", "K3Caches", "StepInputs", "build_step", "load_model", "model_from_state_dict"]
+__all__ = ["K3ForCausalLM", "K3Caches", "Parallel", "StepInputs", "build_step", "load_model",
+           "model_from_state_dict"]
 
 
 def model_from_state_dict(cfg, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16,
-                          device: torch.device | str = "cpu") -> K3ForCausalLM:
-    """Build the model and load ``state`` strictly (every buffer assigned exactly once).
+                          device: torch.device | str = "cpu", parallel: Parallel = Parallel()) -> K3ForCausalLM:
+    """Build the model (one rank of it under ``parallel``) and load ``state`` strictly (every
+    buffer assigned exactly once).
     Non-bf16 ``dtype`` (fp32, fp64) upcasts the bf16 weights and the fp32 ones follow the
     compute dtype, so exactness tests can run the whole model in high precision."""
     with torch.device("meta"):
-        model = K3ForCausalLM(cfg)
+        model = K3ForCausalLM(cfg, parallel)
     model = model.to_empty(device=device)
     expected, given = set(model.state_dict()), set(state)
     if expected != given:
@@ -49,19 +53,33 @@ def model_from_state_dict(cfg, state: dict[str, torch.Tensor], dtype: torch.dtyp
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.bfloat16,
                device: torch.device | str = "cpu") -> K3ForCausalLM:
-    """Load an HF K3 checkpoint or a world-size-1 converted (TensorRT-LLM format) one.
-    On a CUDA device the CUDA kernels become the ops' implementations when their library
-    is built; otherwise the (slow) reference ops run on the GPU, with a warning."""
+    """Load an HF K3 checkpoint or a converted (TensorRT-LLM format) one. A converted
+    checkpoint of world size N > 1 needs a torch.distributed process group of N processes:
+    each loads the rank file of its own rank. On a CUDA device the CUDA kernels become the
+    ops' implementations when their library is built; otherwise the (slow) reference ops
+    run on the GPU, with a warning."""
     if torch.device(device).type == "cuda" and not register_cuda_kernels():
         warnings.warn(f"{kernel_library_path()} not built (build_scripts/build_kernels.sh): the k3 ops run "
                       "as fp32 torch reference code on the GPU", stacklevel=2)
-    if is_trtllm_checkpoint(path):
-        cfg, state, meta = load_trtllm_state_dict(path, rank=0)
-        if meta["mapping"]["world_size"] != 1:
-            raise CheckpointError(
-                f"{path}: world size {meta['mapping']['world_size']}; the torch reference model runs world size 1 "
-                "(convert with --tp 1 --ep 1, or run the HF checkpoint)"
-            )
-    else:
+    if not is_trtllm_checkpoint(path):
         cfg, state = load_hf_state_dict(path)
-    return model_from_state_dict(cfg, state, dtype, device)
+        return model_from_state_dict(cfg, state, dtype, device)
+    cfg, data = read_trtllm_config(path)
+    rank = _process_rank(path, data["mapping"].get("world_size"))
+    parallel = Parallel.from_mapping(data["mapping"], cfg, rank, f"{path}/config.json")
+    cfg, state, _ = load_trtllm_state_dict(path, rank)
+    return model_from_state_dict(cfg, state, dtype, device, parallel)
+
+
+def _process_rank(path, world_size) -> int:
+    """0 for a world-size-1 checkpoint, else this process's rank in a process group of that size."""
+    if world_size == 1:
+        return 0
+    group = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    if group != world_size:
+        running = f"a process group of {group}" if group else "no torch.distributed process group"
+        raise CheckpointError(
+            f"{path}: world size {world_size}, and this process runs {running}; run one process per rank with "
+            f"torch.distributed initialised for {world_size} ranks (or convert with --tp 1 --ep 1, or run the "
+            "HF checkpoint)")
+    return dist.get_rank()

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn.functional import embedding
 
 from ..config import K3Config
 from ..ops import attn_res
 from ..ops.common import compute_dtype, rms_norm
 from .caches import K3Caches
 from .layers import GatedMLP, KdaAttention, LatentMoE, MlaAttention, Weights, _w
+from .parallel import Parallel, embed, gather_columns
 from .step import StepInputs
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: K3Config, index: int):
+    def __init__(self, cfg: K3Config, index: int, par: Parallel):
         super().__init__()
         plan = cfg.layers[index]
         self.plan, d = plan, cfg.hidden_size
@@ -28,27 +28,31 @@ class DecoderLayer(nn.Module):
         self.post_layernorm = Weights(weight=_w((d,)))
         if cfg.attn_res_block_size:
             self.attn_res = Weights(attention_query=_w((d,), torch.float32), mlp_query=_w((d,), torch.float32))
-        self.attention = KdaAttention(cfg, index) if plan.attention == "kda" else MlaAttention(cfg, index)
-        self.mlp = GatedMLP(cfg, d, cfg.intermediate_size) if plan.ffn == "dense" else LatentMoE(cfg)
+        attention = KdaAttention if plan.attention == "kda" else MlaAttention
+        self.attention = attention(cfg, index, par)
+        self.mlp = GatedMLP(cfg, d, cfg.intermediate_size, par) if plan.ffn == "dense" else LatentMoE(cfg, par)
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: K3Config):
+    def __init__(self, cfg: K3Config, par: Parallel):
         super().__init__()
         d = cfg.hidden_size
-        self.vocab_embedding = Weights(weight=_w((cfg.vocab_size, d)))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.vocab_embedding = Weights(weight=_w((par.tp_local(cfg.vocab_size), d)))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, par) for i in range(cfg.num_hidden_layers))
         self.ln_f = Weights(weight=_w((d,)))
         if cfg.attn_res_block_size:
             self.attn_res_out = Weights(query=_w((d,), torch.float32))
 
 
 class K3ForCausalLM(nn.Module):
-    def __init__(self, cfg: K3Config):
+    """One rank of the model (``parallel``: world size 1 by default); every rank runs every
+    step and returns the full logits."""
+
+    def __init__(self, cfg: K3Config, parallel: Parallel = Parallel()):
         super().__init__()
-        self.config = cfg
-        self.transformer = Transformer(cfg)
-        self.lm_head = Weights(weight=_w((cfg.vocab_size, cfg.hidden_size)))
+        self.config, self.parallel = cfg, parallel
+        self.transformer = Transformer(cfg, parallel)
+        self.lm_head = Weights(weight=_w((parallel.tp_local(cfg.vocab_size), cfg.hidden_size)))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -56,7 +60,7 @@ class K3ForCausalLM(nn.Module):
 
     def allocate_caches(self, num_blocks: int, block_size: int, max_slots: int) -> K3Caches:
         return K3Caches.allocate(self.config, num_blocks, block_size, max_slots, self.dtype,
-                                 self.transformer.ln_f.weight.device)
+                                 self.transformer.ln_f.weight.device, self.parallel.tp_size)
 
     def forward(self, step: StepInputs, caches: K3Caches, decode: bool | None = None) -> torch.Tensor:
         """Logits (fp32) of the tokens at ``step.logits_indices``; caches updated in place.
@@ -65,7 +69,7 @@ class K3ForCausalLM(nn.Module):
         cfg, tr = self.config, self.transformer
         if decode is None:
             decode = step.is_pure_decode()
-        x = embedding(step.input_ids.long(), tr.vocab_embedding.weight)
+        x = embed(step.input_ids.long(), tr.vocab_embedding.weight, self.parallel)
         if cfg.attn_res_block_size:
             h = self._attn_res_stream(x, step, caches, decode)
         else:
@@ -73,7 +77,7 @@ class K3ForCausalLM(nn.Module):
         y = rms_norm(h[step.logits_indices.long()], tr.ln_f.weight, cfg.rms_norm_eps)
         # fp32 logits from bf16 operands (fp64 when the whole model runs in fp64 for tests)
         cd = compute_dtype(y.dtype)
-        logits = y.to(cd) @ self.lm_head.weight.to(cd).T
+        logits = gather_columns(y.to(cd) @ self.lm_head.weight.to(cd).T, self.parallel)
         return logits * cfg.logit_scale if cfg.logit_scale != 1.0 else logits
 
     def _attn_res_stream(self, x, step, caches, decode) -> torch.Tensor:

@@ -3,7 +3,11 @@ TensorRT-LLM checkpoint names them (``checkpoint/mapping.py``), so a converted r
 loads with ``load_state_dict(strict=True)``.
 
 Linear layers run in the activation dtype (bf16 in production); every op that the spec
-wants in fp32 does its math in fp32 internally (``ops/``)."""
+wants in fp32 does its math in fp32 internally (``ops/``).
+
+Buffers have this rank's shapes (``parallel.py``): local heads, intermediates and experts;
+the layout of fused tensors per rank is the world-1 layout with local sizes. Each
+row-parallel product (attention ``dense``, MLP ``proj``, routed experts) ends in an all-reduce."""
 from __future__ import annotations
 
 import torch
@@ -15,6 +19,7 @@ from ..ops import contract as C
 from ..ops.common import gated_rms_norm, glu, rms_norm
 from ..ops.registry import call
 from .caches import K3Caches
+from .parallel import Parallel, all_reduce
 from .step import StepInputs
 
 # vLLM hard-codes the KDA output-norm eps (spec §4.5.8); it equals K3's rms_norm_eps.
@@ -35,12 +40,13 @@ def _w(shape, dtype=torch.bfloat16):
 
 
 class KdaAttention(nn.Module):
-    def __init__(self, cfg: K3Config, layer: int):
+    def __init__(self, cfg: K3Config, layer: int, par: Parallel):
         super().__init__()
         k, d = cfg.kda, cfg.hidden_size
-        P, H, Dk = k.proj_dim, k.num_heads, k.head_dim
-        self.layer, self.k = layer, k
-        self.split = (3 * P, P, Dk, H)  # in_proj rows: q|k|v, output gate, f_a, beta
+        H, Dk = par.tp_local(k.num_heads), k.head_dim
+        P = H * Dk
+        self.layer, self.k, self.par, self.num_heads = layer, k, par, H
+        self.split = (3 * P, P, Dk, H)  # in_proj rows: q|k|v, output gate, f_a (replicated), beta
         self.in_proj = Weights(weight=_w((sum(self.split), d)))
         self.conv1d = Weights(weight=_w((3 * P, k.conv_kernel_size), torch.float32))
         self.f_b = Weights(weight=_w((P, Dk)))
@@ -56,10 +62,10 @@ class KdaAttention(nn.Module):
         o = call(op, qkv.contiguous(), gate, beta.contiguous(), self.conv1d.weight, self.A_log, self.dt_bias,
                  step.cu_seqlens, step.state_slots, step.has_initial_state,
                  caches.conv[self.layer], caches.recurrent[self.layer],
-                 self.k.num_heads, self.k.head_dim, self.k.lower_bound or 0.0)
-        T, H, Dk = x.shape[0], self.k.num_heads, self.k.head_dim
+                 self.num_heads, self.k.head_dim, self.k.lower_bound or 0.0)
+        T, H, Dk = x.shape[0], self.num_heads, self.k.head_dim
         y = gated_rms_norm(o.view(T, H, Dk), self.o_norm.weight, out_gate.reshape(T, H, Dk), KDA_O_NORM_EPS)
-        return linear(y.reshape(T, H * Dk), self.dense.weight)
+        return all_reduce(linear(y.reshape(T, H * Dk), self.dense.weight), self.par)
 
 
 def rotate_interleaved(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -77,11 +83,12 @@ def rotate_interleaved(x: torch.Tensor, positions: torch.Tensor, theta: float) -
 
 
 class MlaAttention(nn.Module):
-    def __init__(self, cfg: K3Config, layer: int):
+    def __init__(self, cfg: K3Config, layer: int, par: Parallel):
         super().__init__()
         m, d = cfg.mla, cfg.hidden_size
-        self.layer, self.m, self.eps = layer, m, cfg.rms_norm_eps
-        H = m.num_heads
+        self.layer, self.m, self.eps, self.par = layer, m, cfg.rms_norm_eps, par
+        H = self.num_heads = par.tp_local(m.num_heads)
+        # fused_a rows: q_a and kv_a (replicated: the latent is the same on every rank), gate (local heads)
         self.split = ((m.q_lora_rank or 0), m.kv_lora_rank, m.qk_rope_head_dim, H * m.v_head_dim if m.use_output_gate else 0)
         self.fused_a = Weights(weight=_w((sum(self.split), d)))
         if m.q_lora_rank:
@@ -101,7 +108,7 @@ class MlaAttention(nn.Module):
             q = linear(rms_norm(c_q, self.q_a_layernorm.weight, self.eps), self.q_b.weight)
         else:
             q = linear(x, self.q.weight)
-        q = q.view(T, m.num_heads, m.qk_head_dim)
+        q = q.view(T, self.num_heads, m.qk_head_dim)
         if not m.use_nope:
             q_pe = rotate_interleaved(q[..., m.qk_nope_head_dim:], step.positions, m.rope_theta)
             q = torch.cat((q[..., : m.qk_nope_head_dim], q_pe), -1)
@@ -110,35 +117,40 @@ class MlaAttention(nn.Module):
         op = C.MLA_DECODE if decode else C.MLA_PREFILL
         o = call(op, q.contiguous(), latent, self.w_uk, self.w_uv, step.cu_seqlens, step.context_lens,
                  step.block_tables, step.slot_mapping, caches.latent[self.layer],
-                 m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim, m.softmax_scale)
+                 self.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim,
+                 m.softmax_scale)
         if m.use_output_gate:
             o = (o.float() * torch.sigmoid(out_gate.float())).to(x.dtype)
-        return linear(o, self.dense.weight)
+        return all_reduce(linear(o, self.dense.weight), self.par)
 
 
 class GatedMLP(nn.Module):
-    """Dense MLP and shared experts: ``fc`` = [gate; up] rows, ``proj`` = down (§4.3)."""
+    """Dense MLP and shared experts: ``fc`` = [gate; up] rows, ``proj`` = down (§4.3);
+    ``inter`` is the global intermediate size, split over the tp ranks."""
 
-    def __init__(self, cfg: K3Config, d: int, inter: int):
+    def __init__(self, cfg: K3Config, d: int, inter: int, par: Parallel):
         super().__init__()
-        self.inter, self.act, self.beta, self.lin = inter, cfg.activation_id, cfg.situ_beta, cfg.situ_linear_beta or 0.0
+        inter = par.tp_local(inter)
+        self.par, self.inter = par, inter
+        self.act, self.beta, self.lin = cfg.activation_id, cfg.situ_beta, cfg.situ_linear_beta or 0.0
         self.fc = Weights(weight=_w((2 * inter, d)))
         self.proj = Weights(weight=_w((d, inter)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u = linear(x, self.fc.weight).split(self.inter, -1)
-        return linear(glu(g, u, self.act, self.beta, self.lin), self.proj.weight)
+        return all_reduce(linear(glu(g, u, self.act, self.beta, self.lin), self.proj.weight), self.par)
 
 
 class LatentMoE(nn.Module):
-    def __init__(self, cfg: K3Config):
+    def __init__(self, cfg: K3Config, par: Parallel):
         super().__init__()
         moe, d = cfg.moe, cfg.hidden_size
-        self.cfg, self.moe = cfg, moe
-        lat, E, inter = moe.latent_size or d, moe.num_experts, moe.moe_intermediate_size
+        self.cfg, self.moe, self.par = cfg, moe, par
+        lat, E = moe.latent_size or d, moe.num_experts
+        El, inter = E // par.moe_ep_size, moe.moe_intermediate_size // par.moe_tp_size
         self.router = Weights(weight=_w((E, d), torch.float32), e_score_correction_bias=_w((E,), torch.float32))
         if moe.num_shared_experts:
-            self.shared_experts = GatedMLP(cfg, d, moe.shared_intermediate_size)
+            self.shared_experts = GatedMLP(cfg, d, moe.shared_intermediate_size, par)
         if moe.latent_size:
             self.latent_down = Weights(weight=_w((lat, d)))
             if moe.latent_norm:
@@ -146,14 +158,14 @@ class LatentMoE(nn.Module):
             self.latent_up = Weights(weight=_w((d, lat)))
         self.experts = nn.Module()
         if moe.mxfp4:
-            self.experts.w13 = Weights(weight_packed=_w((E, 2 * inter, lat // 2), torch.uint8),
-                                       weight_scale=_w((E, 2 * inter, lat // 32), torch.uint8))
-            self.experts.w2 = Weights(weight_packed=_w((E, lat, inter // 2), torch.uint8),
-                                      weight_scale=_w((E, lat, inter // 32), torch.uint8))
+            self.experts.w13 = Weights(weight_packed=_w((El, 2 * inter, lat // 2), torch.uint8),
+                                       weight_scale=_w((El, 2 * inter, lat // 32), torch.uint8))
+            self.experts.w2 = Weights(weight_packed=_w((El, lat, inter // 2), torch.uint8),
+                                      weight_scale=_w((El, lat, inter // 32), torch.uint8))
         else:
-            self.experts.w13 = Weights(weight=_w((E, 2 * inter, lat)))
-            self.experts.w2 = Weights(weight=_w((E, lat, inter)))
-        self.expert_offset = 0  # first global expert held here (expert parallelism)
+            self.experts.w13 = Weights(weight=_w((El, 2 * inter, lat)))
+            self.experts.w2 = Weights(weight=_w((El, lat, inter)))
+        self.expert_offset = par.moe_ep_rank * El  # first global expert held here
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         moe, cfg = self.moe, self.cfg
@@ -168,6 +180,9 @@ class LatentMoE(nn.Module):
         else:
             r = call(C.SITU_MOE, x, z, self.router.weight, self.router.e_score_correction_bias,
                      w13.weight, w2.weight, *attrs)
+        # every rank holds other (expert, intermediate slice) pairs: the full routed output
+        # is their sum, and it must be whole before the latent norm
+        r = all_reduce(r, self.par)
         if moe.latent_size:
             if moe.latent_norm:
                 r = rms_norm(r, self.latent_norm.weight, cfg.rms_norm_eps)
