@@ -254,16 +254,6 @@ size_t k3_mla_workspace_size(int num_tokens, int num_heads, int kv_lora_rank, in
   return carve(nullptr, num_tokens, num_heads, kv_lora_rank, plan).bytes;
 }
 
-size_t k3_mla_decode_workspace_size(int num_tokens, int num_heads, int kv_lora_rank, int max_blocks,
-                                    int block_size) {
-  return k3_mla_workspace_size(num_tokens, num_heads, kv_lora_rank, max_blocks, block_size);
-}
-
-size_t k3_mla_prefill_workspace_size(int num_tokens, int num_heads, int kv_lora_rank, int max_blocks,
-                                     int block_size) {
-  return k3_mla_workspace_size(num_tokens, num_heads, kv_lora_rank, max_blocks, block_size);
-}
-
 // Argument order follows the contract: inputs, outputs, sizes, attributes, workspace, stream.
 int k3_mla_decode(const void* q, const void* latent, const void* w_uk, const void* w_uv, const int* cu_seqlens,
                   const int* context_lens, const int* block_tables, const int* slot_mapping, void* latent_cache,

@@ -11,10 +11,6 @@ extern "C" {
 
 // Workspace bytes of k3_mla_prefill / k3_mla_decode for these sizes (same for both).
 size_t k3_mla_workspace_size(int num_tokens, int num_heads, int kv_lora_rank, int max_blocks, int block_size);
-size_t k3_mla_decode_workspace_size(int num_tokens, int num_heads, int kv_lora_rank, int max_blocks,
-                                    int block_size);
-size_t k3_mla_prefill_workspace_size(int num_tokens, int num_heads, int kv_lora_rank, int max_blocks,
-                                     int block_size);
 
 // Contracts K3MlaDecode / K3MlaPrefill. Argument order: inputs, outputs, sizes,
 // attributes, workspace, stream. Both insert the new latents and run the absorbed form.
