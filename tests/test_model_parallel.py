@@ -10,7 +10,6 @@ as in test_model.py. A missing or doubled all-reduce, a wrong expert offset or a
 split changes the logits by O(1)."""
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ import torch.multiprocessing as mp
 from k3_trtllm.checkpoint.hf import CheckpointError
 from k3_trtllm.convert import convert_checkpoint
 from k3_trtllm.model import build_step, load_model
+from k3_trtllm.utils.net import free_port
 
 BS = 16
 WORLD = 2
@@ -43,12 +43,6 @@ def _prefill_then_two_decodes(model) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_worker(rank: int, port: int, paths: list[str], out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
@@ -67,7 +61,7 @@ def world2_logits(ckpt_dir, tmp_path_factory):
     for i, (preset, tp, ep) in enumerate(SHARDINGS):
         paths.append(str(root / f"ckpt{i}"))
         convert_checkpoint(ckpt_dir(preset), paths[-1], tp, ep, progress=False)
-    mp.spawn(_rank_worker, args=(_free_port(), paths, str(root)), nprocs=WORLD, join=True)
+    mp.spawn(_rank_worker, args=(free_port(), paths, str(root)), nprocs=WORLD, join=True)
     per_rank = [torch.load(root / f"rank{r}.pt") for r in range(WORLD)]
     return {s: [per_rank[r][i] for r in range(WORLD)] for i, s in enumerate(SHARDINGS)}
 
@@ -85,7 +79,7 @@ def test_world2_checkpoint_needs_a_matching_process_group(ckpt_dir, tmp_path):
     convert_checkpoint(ckpt_dir("tiny"), path, 2, 1, progress=False)
     with pytest.raises(CheckpointError, match="world size 2, and this process runs no torch.distributed"):
         load_model(path)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         with pytest.raises(CheckpointError, match="world size 2, and this process runs a process group of 1"):
             load_model(path)

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from helpers import live_processes
 
 from k3_trtllm.cli import main
-from k3_trtllm.serve.server import free_port
+from k3_trtllm.utils.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny-k3"

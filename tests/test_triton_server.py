@@ -21,7 +21,8 @@ from tritonclient.utils import np_to_triton_dtype
 
 from k3_trtllm.cli.run import run as run_command
 from k3_trtllm.serve.repository import write_model_repository
-from k3_trtllm.serve.server import TritonServer, free_port
+from k3_trtllm.serve.server import TritonServer
+from k3_trtllm.utils.net import free_port
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-k3"
 ENGINE = dict(dtype="float32", max_batch_size=8, max_seq_len=96, num_blocks=64, max_slots=8, block_size=16)

@@ -15,7 +15,6 @@ import importlib.metadata
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -95,12 +94,6 @@ def _stop_with_parent() -> None:
     launcher does not leave the server running."""
     if _LIBC is not None:
         _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGINT)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class TritonServer:
