@@ -75,10 +75,6 @@ class MoeConfig:
     mxfp4: bool  # routed experts stored as MXFP4 (weight_packed + weight_scale)
 
     @property
-    def expert_input_size(self) -> int | None:
-        return self.latent_size
-
-    @property
     def shared_intermediate_size(self) -> int:
         return self.moe_intermediate_size * self.num_shared_experts
 

@@ -77,11 +77,6 @@ class OpContract:
         ret = "Tensor" if n_out == 1 else "(" + ", ".join(["Tensor"] * n_out) + ")"
         return f"({', '.join(args)}) -> {ret}"
 
-    def functional_output_names(self) -> tuple[str, ...]:
-        return tuple(o.name for o in self.outputs) + tuple(
-            f"{t.name}_out" for t in self.mutated_inputs
-        )
-
 
 # ---------------------------------------------------------------------------
 # KDA: one signature for the chunked (prefill) and the recurrent (decode) form.

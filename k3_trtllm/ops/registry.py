@@ -80,7 +80,3 @@ def call(contract: OpContract, *args):
             args[spec_idx].copy_(new)
         return outs[0] if n_out == 1 else outs[:n_out]
     return getattr(torch.ops.k3, contract.name)(*args)
-
-
-def registered() -> dict[str, OpContract]:
-    return dict(_REGISTERED)
