@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 import traceback
@@ -141,6 +142,7 @@ def main() -> None:
     args = parser.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "commit": os.environ.get("K3_COMMIT", "unknown"),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "shape": {"E": E, "El": EL, "top_k": TOP_K, "L": L, "I": I, "D": D},
               "copy_bandwidth_GBps": copy_bandwidth_gbs(), "prefill": {}, "decode": {}}
@@ -169,7 +171,9 @@ def main() -> None:
             fn, mode = run_op(mxfp4, x, z, router, bias, experts)
             ms = time_ms(fn, 10)
             read_ms = touched * expert_bytes(mxfp4) / (result["copy_bandwidth_GBps"] * 1e6)
+            route = lambda: moe_kernels.route(x, router, bias, TOP_K, 1, 1, 0, True, 1.0)  # noqa: E731
             result["decode"][f"{name}_T{T}"] = {"ours_ms": ms, "ours_timing": mode, "touched_experts": touched,
+                                                "ours_router_ms_eager": time_ms(route, 10),
                                                 "weight_read_ms_at_copy_bw": read_ms,
                                                 "fraction_of_copy_bw": read_ms / ms}
             print(name, f"decode T={T}", json.dumps(result["decode"][f"{name}_T{T}"]))

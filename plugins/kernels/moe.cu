@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "k3/moe/decode_gemm.cuh"
 #include "k3/moe/grouped_gemm.cuh"
 #include "k3/moe/permute.cuh"
 #include "k3/moe/router.cuh"
@@ -37,7 +38,7 @@ Workspace carve(char* base, int T, int E, int k, int El, int L, int I) {
     return p;
   };
   const size_t assignments = (size_t)T * k;
-  const size_t tiles = (size_t)max_m_tiles((int)assignments, El, BM);
+  const size_t tiles = (size_t)max_m_tiles((int)assignments, El, kDecodeRows);  // kDecodeRows < BM: more tiles
   w.logits = reinterpret_cast<float*>(take((size_t)T * E * sizeof(float)));
   w.topk_ids = reinterpret_cast<int*>(take(assignments * sizeof(int)));
   w.topk_weights = reinterpret_cast<float*>(take(assignments * sizeof(float)));
@@ -65,9 +66,14 @@ int launch_route(const void* x, const float* router_weight, const float* bias, f
                  int renormalize, float scale, cudaStream_t stream) {
   if (T <= 0) return cudaSuccess;
   if (!routing_supported(E, k, G) || D < 1 || (scoring != 0 && scoring != 1)) return cudaErrorInvalidValue;
-  const dim3 grid((E + kLogitTile - 1) / kLogitTile, (T + kLogitTile - 1) / kLogitTile);
-  router_logits_kernel<<<grid, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), router_weight, logits,
-                                                 T, D, E);
+  const auto* xb = static_cast<const __nv_bfloat16*>(x);
+  if (T <= kGemvMaxTokens && D % 4 == 0) {
+    const dim3 grid((E + kGemvWarps - 1) / kGemvWarps, (T + kGemvTokens - 1) / kGemvTokens);
+    router_logits_gemv_kernel<<<grid, 32 * kGemvWarps, 0, stream>>>(xb, router_weight, logits, T, D, E);
+  } else {
+    const dim3 grid((E + kLogitTile - 1) / kLogitTile, (T + kLogitTile - 1) / kLogitTile);
+    router_logits_kernel<<<grid, 256, 0, stream>>>(xb, router_weight, logits, T, D, E);
+  }
   const RouteParams p{E, k, G, topk_group, scoring, renormalize, scale};
   router_select_kernel<<<T, kSelectThreads, 0, stream>>>(logits, bias, topk_ids, topk_weights, p);
   return cudaGetLastError();
@@ -102,17 +108,28 @@ int moe_forward(const MoeArgs& a) {
   const Schedule& s = w.schedule;
   cudaMemsetAsync(s.counts, 0, a.El * sizeof(int), st);
   cudaMemsetAsync(w.acc, 0, (size_t)a.T * a.L * sizeof(float), st);
+  // Few rows per expert (at most kDecodeRows on average): the weight-streaming decode GEMMs;
+  // otherwise the tiled GEMMs, whose 64-row tiles reuse each weight tile across tokens.
+  const bool decode = assignments <= kDecodeRows * a.El;
+  const int bm = decode ? kDecodeRows : BM;
   const int blocks = (assignments + 255) / 256;
   count_kernel<<<blocks, 256, 0, st>>>(w.topk_ids, assignments, a.offset, a.El, s.counts);
-  schedule_kernel<<<1, kScanThreads, 0, st>>>(s, a.El, BM);
+  schedule_kernel<<<1, kScanThreads, 0, st>>>(s, a.El, bm);
   scatter_kernel<<<blocks, 256, 0, st>>>(w.topk_ids, w.topk_weights, assignments, a.k, a.offset, a.El, s);
 
   // Grids cover the worst-case M tiles of this many assignments, not El experts' worth:
   // decode (T*k small) launches at most T*k tiles per column block; spare ones exit at once.
-  const int tiles = max_m_tiles(assignments, a.El, BM);
+  const int tiles = max_m_tiles(assignments, a.El, bm);
   const auto* z = static_cast<const __nv_bfloat16*>(a.z);
-  gate_up_kernel<kMxfp4><<<dim3(tiles, a.I / BN), kGemmThreads, 0, st>>>(z, a.w13, w.h, s, a.L, a.I, a.act);
-  down_kernel<kMxfp4><<<dim3(tiles, a.L / BN), kGemmThreads, 0, st>>>(w.h, a.w2, w.acc, s, a.L, a.I);
+  if (decode) {
+    gate_up_decode_kernel<kMxfp4><<<dim3(tiles, a.I / kDecodeFeatures), kDecodeThreads, 0, st>>>(
+        z, a.w13, w.h, s, a.L, a.I, a.act);
+    down_decode_kernel<kMxfp4><<<dim3(tiles, a.L / kDecodeFeatures), kDecodeThreads, 0, st>>>(w.h, a.w2, w.acc, s,
+                                                                                            a.L, a.I);
+  } else {
+    gate_up_kernel<kMxfp4><<<dim3(tiles, a.I / BN), kGemmThreads, 0, st>>>(z, a.w13, w.h, s, a.L, a.I, a.act);
+    down_kernel<kMxfp4><<<dim3(tiles, a.L / BN), kGemmThreads, 0, st>>>(w.h, a.w2, w.acc, s, a.L, a.I);
+  }
   const int64_t n = (int64_t)a.T * a.L;
   round_to_bf16_kernel<<<(unsigned)((n / 2 + 255) / 256 + 1), 256, 0, st>>>(w.acc, static_cast<__nv_bfloat16*>(a.out),
                                                                            n);

@@ -53,21 +53,23 @@ def attrs_of(case):
     return (E, k, G, TG, off, scoring, renorm, scale, act, beta, lbeta)
 
 
-def make_inputs(case, T, mxfp4, seed, device="cpu"):
-    """bf16 activations, fp32 router, bf16 or MXFP4 experts (generated on `device`)."""
+def make_inputs(case, T, mxfp4, seed, device="cpu", gain=1.0):
+    """bf16 activations, fp32 router, bf16 or MXFP4 experts (generated on `device`). `gain`
+    (a power of two) scales both expert weights up and z down, so gate/up stay O(1) while
+    the MXFP4 scale bytes grow (scale-range tests); the output grows by `gain`."""
     from k3_trtllm.ops.moe.mxfp4 import quantize_mxfp4
     E, El, L, I, D = case[0], case[1], case[12], case[13], case[14]
     g = torch.Generator(device=device).manual_seed(seed)
     rnd = lambda *s, k=1.0: torch.randn(*s, generator=g, device=device) * k  # noqa: E731
     x = rnd(T, D).bfloat16()
-    z = rnd(T, L).bfloat16()
+    z = (rnd(T, L) / gain).bfloat16()
     router = rnd(E, D, k=D ** -0.5)
     bias = rnd(E, k=0.1)
     if not mxfp4:
         return [x, z, router, bias, rnd(El, 2 * I, L, k=L ** -0.5).bfloat16(), rnd(El, L, I, k=I ** -0.5).bfloat16()]
     if device == "cpu":
-        w13 = quantize_mxfp4(rnd(El, 2 * I, L, k=L ** -0.5))
-        w2 = quantize_mxfp4(rnd(El, L, I, k=I ** -0.5))
+        w13 = quantize_mxfp4(rnd(El, 2 * I, L, k=L ** -0.5 * gain))
+        w2 = quantize_mxfp4(rnd(El, L, I, k=I ** -0.5 * gain))
         return [x, z, router, bias, *w13, *w2]
     # K3 size: random codes and scales straight on the device (quantising 2.5e9 weights on
     # the host would dominate the test); scale bytes around 2^-6 keep gate/up O(1).
@@ -108,12 +110,27 @@ def check_selection(cuda_moe, inputs, attrs):
     return ref_ids, ref_w
 
 
+# T*k <= 16 * local experts takes the decode GEMMs (16-row tiles), above it the tiled GEMMs:
+# 1 and 7 decode; 40 decode for "plain" and "grouped_softmax" with experts over 16 rows (several
+# decode tiles), tiled for "ep_shard_silu"; 300 tiled everywhere.
 @pytest.mark.parametrize("mxfp4", [False, True], ids=["bf16", "mxfp4"])
-@pytest.mark.parametrize("T", [1, 7, 300])
+@pytest.mark.parametrize("T", [1, 7, 40, 300])
 @pytest.mark.parametrize("name", list(CASES))
 def test_tiny_moe_matches_the_reference(cuda_moe, name, T, mxfp4):
-    case = CASES[name]
-    cpu = make_inputs(case, T, mxfp4, seed=T)
+    check_against_reference(cuda_moe, CASES[name], T, mxfp4)
+
+
+@pytest.mark.parametrize("T", [7, 300])
+def test_mxfp4_scales_beyond_one_bf16_factor(cuda_moe, T):
+    """Scale bytes above 128 (2^(b-1) is no bf16): the kernels dequantise in two steps."""
+    gain = 2.0 ** 12
+    scale_bytes = make_inputs(CASES["plain"], T, True, seed=T, gain=gain)[5]
+    assert int(scale_bytes.min()) > 128
+    check_against_reference(cuda_moe, CASES["plain"], T, True, gain=gain)
+
+
+def check_against_reference(cuda_moe, case, T, mxfp4, gain=1.0):
+    cpu = make_inputs(case, T, mxfp4, seed=T, gain=gain)
     attrs = attrs_of(case)
     dev = [t.cuda() for t in cpu]
     ref_ids, _ = check_selection(cuda_moe, dev, attrs)

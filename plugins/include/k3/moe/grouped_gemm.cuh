@@ -11,6 +11,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "mxfp4.cuh"
 #include "permute.cuh"
 
 namespace k3 {
@@ -18,7 +19,7 @@ namespace moe {
 
 constexpr int BM = 64, BN = 64, BK = 32, kStages = 3, kGemmThreads = 128;
 constexpr int kLds = BK + 8;  // 80-byte rows: the 8 rows of an ldmatrix hit distinct banks
-constexpr int kMxGroup = 32;  // MXFP4 elements per E8M0 scale; equals BK, one scale per row and k-step
+static_assert(kMxGroup == BK, "one MXFP4 scale per weight row and k-step");
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -44,20 +45,6 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
       "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// E2M1 code (bit 3 sign, 2 exponent bits, 1 mantissa bit) as fp32: 0, 0.5, then
-// (1 + m/2)·2^(e-1). Built from bits, so no table lookups diverge across lanes.
-__device__ __forceinline__ float e2m1_value(uint32_t code) {
-  const uint32_t mag = code & 7u, exp = mag >> 1, man = mag & 1u;
-  uint32_t bits = exp == 0 ? (man ? 0x3F000000u : 0u) : (((exp + 126u) << 23) | (man << 22));
-  return __uint_as_float(bits | ((code & 8u) << 28));
-}
-
-// E8M0 byte b: 2^(b-127); b = 0 is the fp32 subnormal 2^-127, b = 255 is NaN.
-__device__ __forceinline__ float e8m0_value(uint32_t b) {
-  if (b == 255u) return __uint_as_float(0x7FC00000u);
-  return b == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(b << 23);
 }
 
 // Weight tile source of one GEMM: kMats matrices of BN rows each (gate_up: the gate rows
@@ -145,13 +132,14 @@ __device__ __forceinline__ void gemm_mainloop(float (&acc)[kMats][2][4][4], Smem
     const __nv_bfloat16(*tb)[kLds] = sm.b[kMxfp4 ? 0 : stage];
     if constexpr (kMxfp4) {
       const uint32_t scale_next = kt + 1 < nk ? scale_row[kt + 1] : 0u;  // lands during this k-step
-      const float s = e8m0_value(scale_cur);
-      const uint8_t* raw = &sm.raw[stage][dq_row][dq_part * kBytesPerThread];
-      __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(&sm.b[0][dq_row][dq_part * kBytesPerThread * 2]);
+      const Mxfp4Scale s = mxfp4_scale(scale_cur);
+      const uint32_t* raw = reinterpret_cast<const uint32_t*>(&sm.raw[stage][dq_row][dq_part * kBytesPerThread]);
+      uint4* dst = reinterpret_cast<uint4*>(&sm.b[0][dq_row][dq_part * kBytesPerThread * 2]);
 #pragma unroll
-      for (int i = 0; i < kBytesPerThread; ++i) {
-        const uint32_t byte = raw[i];  // element 2i in the low nibble
-        dst[i] = __floats2bfloat162_rn(e2m1_value(byte & 15u) * s, e2m1_value(byte >> 4) * s);
+      for (int i = 0; i < kBytesPerThread / 4; ++i) {
+        uint32_t w[4];
+        mxfp4_dequant8(raw[i], s, w);
+        dst[i] = make_uint4(w[0], w[1], w[2], w[3]);
       }
       scale_cur = scale_next;
       __syncthreads();
@@ -198,17 +186,17 @@ __device__ __forceinline__ float glu(float g, float u, const GluParams& p) {
   return gate * up;
 }
 
-// Resolves blockIdx.x to an M tile; false for the grid's spare tiles.
+// Resolves blockIdx.x to an M tile of up to bm rows; false for the grid's spare tiles.
 struct TileInfo {
   int expert, row0, rows;
 };
-__device__ __forceinline__ bool tile_info(const Schedule& s, TileInfo& t) {
+__device__ __forceinline__ bool tile_info(const Schedule& s, int bm, TileInfo& t) {
   const int tile = blockIdx.x;
   if (tile >= *s.num_tiles) return false;
   t.expert = s.tile_expert[tile];
   t.row0 = s.tile_row[tile];
   const int end = s.offsets[t.expert + 1];
-  t.rows = end - t.row0 < BM ? end - t.row0 : BM;
+  t.rows = end - t.row0 < bm ? end - t.row0 : bm;
   return true;
 }
 
@@ -236,7 +224,7 @@ __global__ void __launch_bounds__(kGemmThreads) gate_up_kernel(const __nv_bfloat
                                                                Schedule s, int L, int I, GluParams act) {
   __shared__ __align__(16) SmemTiles<2, kMxfp4> sm;
   TileInfo t;
-  if (!tile_info(s, t)) return;
+  if (!tile_info(s, BM, t)) return;
   const int n0 = blockIdx.y * BN, tid = threadIdx.x;
   const __nv_bfloat16* a_rows[2];
 #pragma unroll
@@ -272,7 +260,7 @@ __global__ void __launch_bounds__(kGemmThreads) down_kernel(const __nv_bfloat16*
                                                             float* __restrict__ acc_out, Schedule s, int L, int I) {
   __shared__ __align__(16) SmemTiles<1, kMxfp4> sm;
   TileInfo t;
-  if (!tile_info(s, t)) return;
+  if (!tile_info(s, BM, t)) return;
   const int n0 = blockIdx.y * BN, tid = threadIdx.x;
   const __nv_bfloat16* a_rows[2];
 #pragma unroll

@@ -88,6 +88,41 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// The same logits for a few tokens (decode): the tiled kernel would give each of a handful of
+// CTAs the whole D loop; here a warp owns one expert row and up to kGemvTokens tokens, reads
+// the fp32 row with 16-byte loads once and sums per lane, then across the warp.
+// grid (ceil(E / kGemvWarps), ceil(T / kGemvTokens)), kGemvWarps warps; D % 4 == 0.
+constexpr int kGemvTokens = 8, kGemvWarps = 8, kGemvMaxTokens = 64;
+
+__global__ void __launch_bounds__(32 * kGemvWarps) router_logits_gemv_kernel(const __nv_bfloat16* __restrict__ x,
+                                                                           const float* __restrict__ w,
+                                                                           float* __restrict__ logits, int T,
+                                                                           int D, int E) {
+  const int e = blockIdx.x * kGemvWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (e >= E) return;
+  const int t0 = blockIdx.y * kGemvTokens, nt = T - t0 < kGemvTokens ? T - t0 : kGemvTokens;
+  const float* wr = w + (size_t)e * D;
+  float acc[kGemvTokens] = {};
+#pragma unroll 4
+  for (int k = 4 * lane; k < D; k += 128) {
+    const float4 wv = __ldg(reinterpret_cast<const float4*>(wr + k));
+#pragma unroll
+    for (int t = 0; t < kGemvTokens; ++t) {
+      if (t >= nt) break;
+      const uint2 raw = __ldg(reinterpret_cast<const uint2*>(x + (size_t)(t0 + t) * D + k));
+      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+      const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+      acc[t] = fmaf(a.x, wv.x, fmaf(a.y, wv.y, fmaf(b.x, wv.z, fmaf(b.y, wv.w, acc[t]))));
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < kGemvTokens; ++t) {
+    if (t >= nt) break;
+    const float v = warp_sum(acc[t]);
+    if (lane == 0) logits[(size_t)(t0 + t) * E + e] = v;
+  }
+}
+
 constexpr int kSelectThreads = 256;
 constexpr int kSelectWarps = kSelectThreads / 32;
 
