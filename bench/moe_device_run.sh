@@ -20,10 +20,11 @@ nvcc -std=c++17 -O3 -Xcompiler -fPIC --expt-relaxed-constexpr -lineinfo -gencode
   -Iplugins/include -shared -cudart static -Xptxas -v plugins/kernels/moe.cu -o "$lib" 2>"$out/ptxas.log" \
   || { cat "$out/ptxas.log"; exit 1; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
-K3_KERNELS_LIB="$lib" timeout 240 python3 -m pytest tests/gpu/test_moe_cuda.py -q -s -rs -k "not trt_plugin" 2>&1 \
+K3_KERNELS_LIB="$lib" timeout 240 python3 -m pytest tests/gpu/test_moe_cuda.py -s -rs -k "not trt_plugin" 2>&1 \
   | tee "$out/test.log" | grep -E "rel err|passed|failed|FAILED|Error|error|SKIP" | tail -40
 wait "$kernels_pid" || { echo "build_kernels.sh failed"; tail -20 "$out/build_kernels.log"; }
 wait "$plugins_pid" || { echo "build_plugins.sh / harness failed"; tail -20 "$out/build_plugins.log"; }
-timeout 120 python3 -m pytest tests/gpu/test_moe_cuda.py -q -s -rs -k "trt_plugin" 2>&1 \
+timeout 120 python3 -m pytest tests/gpu/test_moe_cuda.py -s -rs -k "trt_plugin" 2>&1 \
   | tee "$out/test_plugin.log" | grep -E "passed|failed|FAILED|Error|error|SKIP" | tail -20
+K3_KERNELS_LIB="$lib" timeout 120 python3 bench/moe_kernel_breakdown.py --out "$out" 2>&1 | tee "$out/breakdown.log" | tail -8
 K3_KERNELS_LIB="$lib" timeout 240 python3 bench/moe_bench.py --out "$out" 2>&1 | tee "$out/bench.log" | tail -20

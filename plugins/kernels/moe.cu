@@ -38,7 +38,7 @@ Workspace carve(char* base, int T, int E, int k, int El, int L, int I) {
     return p;
   };
   const size_t assignments = (size_t)T * k;
-  const size_t tiles = (size_t)max_m_tiles((int)assignments, El, kDecodeRows);  // kDecodeRows < BM: more tiles
+  const size_t tiles = (size_t)max_m_tiles((int)assignments, El, 8);  // the smallest tiles (decode, T <= 8)
   w.logits = reinterpret_cast<float*>(take((size_t)T * E * sizeof(float)));
   w.topk_ids = reinterpret_cast<int*>(take(assignments * sizeof(int)));
   w.topk_weights = reinterpret_cast<float*>(take(assignments * sizeof(float)));
@@ -108,10 +108,11 @@ int moe_forward(const MoeArgs& a) {
   const Schedule& s = w.schedule;
   cudaMemsetAsync(s.counts, 0, a.El * sizeof(int), st);
   cudaMemsetAsync(w.acc, 0, (size_t)a.T * a.L * sizeof(float), st);
-  // Few rows per expert (at most kDecodeRows on average): the weight-streaming decode GEMMs;
-  // otherwise the tiled GEMMs, whose 64-row tiles reuse each weight tile across tokens.
-  const bool decode = assignments <= kDecodeRows * a.El;
-  const int bm = decode ? kDecodeRows : BM;
+  // Few rows per expert (at most kDecodeMaxRows on average): the weight-streaming decode GEMMs,
+  // 8-row tiles when T <= 8 (no expert can get more), else 16; otherwise the tiled GEMMs, whose
+  // 64-row tiles reuse each weight tile across tokens.
+  const bool decode = assignments <= kDecodeMaxRows * a.El;
+  const int bm = !decode ? BM : a.T <= 8 ? 8 : 16;
   const int blocks = (assignments + 255) / 256;
   count_kernel<<<blocks, 256, 0, st>>>(w.topk_ids, assignments, a.offset, a.El, s.counts);
   schedule_kernel<<<1, kScanThreads, 0, st>>>(s, a.El, bm);
@@ -121,11 +122,13 @@ int moe_forward(const MoeArgs& a) {
   // decode (T*k small) launches at most T*k tiles per column block; spare ones exit at once.
   const int tiles = max_m_tiles(assignments, a.El, bm);
   const auto* z = static_cast<const __nv_bfloat16*>(a.z);
-  if (decode) {
-    gate_up_decode_kernel<kMxfp4><<<dim3(tiles, a.I / kDecodeFeatures), kDecodeThreads, 0, st>>>(
-        z, a.w13, w.h, s, a.L, a.I, a.act);
-    down_decode_kernel<kMxfp4><<<dim3(tiles, a.L / kDecodeFeatures), kDecodeThreads, 0, st>>>(w.h, a.w2, w.acc, s,
-                                                                                            a.L, a.I);
+  const dim3 gate_up_grid(tiles, a.I / kDecodeFeatures), down_grid(tiles, a.L / kDecodeFeatures);
+  if (decode && bm == 8) {
+    gate_up_decode_kernel<kMxfp4, 1><<<gate_up_grid, kDecodeThreads, 0, st>>>(z, a.w13, w.h, s, a.L, a.I, a.act);
+    down_decode_kernel<kMxfp4, 1><<<down_grid, kDecodeThreads, 0, st>>>(w.h, a.w2, w.acc, s, a.L, a.I);
+  } else if (decode) {
+    gate_up_decode_kernel<kMxfp4, 2><<<gate_up_grid, kDecodeThreads, 0, st>>>(z, a.w13, w.h, s, a.L, a.I, a.act);
+    down_decode_kernel<kMxfp4, 2><<<down_grid, kDecodeThreads, 0, st>>>(w.h, a.w2, w.acc, s, a.L, a.I);
   } else {
     gate_up_kernel<kMxfp4><<<dim3(tiles, a.I / BN), kGemmThreads, 0, st>>>(z, a.w13, w.h, s, a.L, a.I, a.act);
     down_kernel<kMxfp4><<<dim3(tiles, a.L / BN), kGemmThreads, 0, st>>>(w.h, a.w2, w.acc, s, a.L, a.I);

@@ -1,12 +1,13 @@
 // Decode-sized grouped GEMMs: a few sorted rows (tokens) per expert, so every weight byte is
 // read once and the kernels are streams over the touched experts' weights (W4A16 / W16A16).
 // Roles are swapped on mma.sync m16n8k16: a warp's 16 weight rows are the MMA's M side and
-// the tile's up to 16 tokens its N side (two n8 tiles). A lane then loads whole 16-byte
+// the tile's tokens its N side (kTiles n8 tiles: 8 rows per tile for T <= 8, where no expert
+// can get more rows, else 16). A lane then loads whole 16-byte
 // (bf16) or 8-byte (MXFP4) runs of its weight rows from global memory straight into A
 // fragments: no shared memory, no barriers, kDecodeUnroll slabs of loads in flight per lane.
 // The k order inside a slab is permuted the same way for weights and activations (a dot
 // product does not depend on it): lane (r = lane/4, q = lane%4) holds elements
-// [slab·W + q·E, +E) of weight rows r and r+8 and of tokens r and 8+r, and MMA j of the slab
+// [slab·W + q·E, +E) of weight rows r and r+8 and of tokens r (and 8+r), and MMA j of the slab
 // takes the lane's elements 4j..4j+3 (A/B register pairs 2j, 2j+1).
 #pragma once
 
@@ -15,12 +16,15 @@
 namespace k3 {
 namespace moe {
 
-constexpr int kDecodeRows = 16;  // sorted rows per tile: two n8 MMA tiles
+constexpr int kDecodeMaxRows = 16;  // sorted rows per tile: at most two n8 MMA tiles
 constexpr int kDecodeWarps = 4, kDecodeThreads = 32 * kDecodeWarps;
 constexpr int kDecodeFeatures = 16 * kDecodeWarps;  // output features (per matrix) per CTA
 // k3_moe_supported checks multiples of BN for latent and inter: whole CTAs and whole MXFP4 slabs.
 static_assert(kDecodeFeatures == BN && BN % 64 == 0, "decode grids and slabs rely on multiples of BN");
 constexpr int kDecodeUnroll = 4;                    // slabs whose loads are issued together
+// CTAs per SM the register allocation must allow: 4 (<= 128 registers, 16 warps of loads in
+// flight) with one n tile; 3 with two, whose activation registers would spill at 128.
+constexpr int decode_min_blocks(int n_tiles) { return n_tiles == 1 ? 4 : 3; }
 
 // Elements per lane and row in one slab: bf16 8 (16 bytes), MXFP4 16 (8 bytes, one scale).
 template <bool kMxfp4>
@@ -43,23 +47,23 @@ __device__ __forceinline__ void ld_weights(uint32_t (&v)[2], const uint8_t* p) {
 }
 
 // A lane's operands at slab 0 (each advanced by the slab index inside the loop).
-template <int kMats>
+template <int kMats, int kTiles>
 struct DecodeOperands {
   const uint8_t* w[kMats][2];      // weight rows r and r+8 of each matrix, at the lane's first element
   const uint8_t* scale[kMats][2];  // MXFP4: the scale byte of that first element
-  const __nv_bfloat16* x[2];       // tokens r and 8+r at the lane's first element; nullptr = no token
+  const __nv_bfloat16* x[kTiles];  // tokens r (and 8+r) at the lane's first element; nullptr = no token
 };
 
 // acc[mat][n tile][c] += W_mat[16 rows] · X[16 tokens]ᵀ over nslab slabs.
-template <int kMats, bool kMxfp4>
-__device__ __forceinline__ void decode_mainloop(float (&acc)[kMats][2][4], const DecodeOperands<kMats>& op,
-                                                int nslab, bool two_tiles) {
+template <int kMats, bool kMxfp4, int kTiles>
+__device__ __forceinline__ void decode_mainloop(float (&acc)[kMats][kTiles][4],
+                                                const DecodeOperands<kMats, kTiles>& op, int nslab) {
   using S = DecodeSlab<kMxfp4>;
   constexpr int U = kDecodeUnroll;
   for (int s0 = 0; s0 < nslab; s0 += U) {
     uint32_t raw[U][kMats][2][S::kRawWords];
     uint32_t scale[U][kMats][2];
-    uint32_t x[U][2][S::kWords];
+    uint32_t x[U][kTiles][S::kWords];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (s0 + u >= nslab) continue;
@@ -76,7 +80,7 @@ __device__ __forceinline__ void decode_mainloop(float (&acc)[kMats][2][4], const
     for (int u = 0; u < U; ++u) {
       if (s0 + u >= nslab) continue;
 #pragma unroll
-      for (int t = 0; t < 2; ++t) {
+      for (int t = 0; t < kTiles; ++t) {
         const __nv_bfloat16* p = op.x[t];
 #pragma unroll
         for (int i = 0; i < S::kWords / 4; ++i) {
@@ -89,42 +93,49 @@ __device__ __forceinline__ void decode_mainloop(float (&acc)[kMats][2][4], const
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (s0 + u >= nslab) continue;
-      uint32_t w[kMats][2][S::kWords];
+      Mxfp4Scale sc[kMats][2];
+      if constexpr (kMxfp4) {
 #pragma unroll
-      for (int mat = 0; mat < kMats; ++mat)
+        for (int mat = 0; mat < kMats; ++mat)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          if constexpr (kMxfp4) {
-            const Mxfp4Scale sc = mxfp4_scale(scale[u][mat][h]);
-            uint32_t lo[4], hi[4];
-            mxfp4_dequant8(raw[u][mat][h][0], sc, lo);
-            mxfp4_dequant8(raw[u][mat][h][1], sc, hi);
+          for (int h = 0; h < 2; ++h) sc[mat][h] = mxfp4_scale(scale[u][mat][h]);
+      }
+      // Four words (two MMAs) at a time: MXFP4 dequantises one packed word per row for them.
 #pragma unroll
-            for (int i = 0; i < 4; ++i) w[mat][h][i] = lo[i], w[mat][h][4 + i] = hi[i];
-          } else {
+      for (int g = 0; g < S::kWords / 4; ++g) {
+        uint32_t w[kMats][2][4];
 #pragma unroll
-            for (int i = 0; i < 4; ++i) w[mat][h][i] = raw[u][mat][h][i];
+        for (int mat = 0; mat < kMats; ++mat)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            if constexpr (kMxfp4) {
+              mxfp4_dequant8(raw[u][mat][h][g], sc[mat][h], w[mat][h]);
+            } else {
+#pragma unroll
+              for (int i = 0; i < 4; ++i) w[mat][h][i] = raw[u][mat][h][i];
+            }
           }
-        }
 #pragma unroll
-      for (int j = 0; j < S::kWords / 2; ++j)
+        for (int jj = 0; jj < 2; ++jj)
 #pragma unroll
-        for (int mat = 0; mat < kMats; ++mat) {
-          const uint32_t a[4] = {w[mat][0][2 * j], w[mat][1][2 * j], w[mat][0][2 * j + 1], w[mat][1][2 * j + 1]};
-          mma_bf16(acc[mat][0], a, x[u][0][2 * j], x[u][0][2 * j + 1]);
-          if (two_tiles) mma_bf16(acc[mat][1], a, x[u][1][2 * j], x[u][1][2 * j + 1]);
-        }
+          for (int mat = 0; mat < kMats; ++mat) {
+            const uint32_t a[4] = {w[mat][0][2 * jj], w[mat][1][2 * jj], w[mat][0][2 * jj + 1], w[mat][1][2 * jj + 1]};
+            const int j = 2 * g + jj;
+#pragma unroll
+            for (int t = 0; t < kTiles; ++t) mma_bf16(acc[mat][t], a, x[u][t][2 * j], x[u][t][2 * j + 1]);
+          }
+      }
     }
   }
 }
 
 // The lane's operands for weight rows first_row + {r, r+8} (+ mat·mat_stride_rows) of K inputs.
-template <int kMats, bool kMxfp4>
-__device__ __forceinline__ DecodeOperands<kMats> decode_operands(const ExpertWeights& ew, int64_t first_row,
-                                                                 int64_t mat_stride_rows, int K) {
+template <int kMats, bool kMxfp4, int kTiles>
+__device__ __forceinline__ DecodeOperands<kMats, kTiles> decode_operands(const ExpertWeights& ew, int64_t first_row,
+                                                                         int64_t mat_stride_rows, int K) {
   using S = DecodeSlab<kMxfp4>;
   const int lane = threadIdx.x % 32, r = lane / 4, q = lane % 4;
-  DecodeOperands<kMats> op{};
+  DecodeOperands<kMats, kTiles> op{};
 #pragma unroll
   for (int mat = 0; mat < kMats; ++mat)
 #pragma unroll
@@ -149,26 +160,26 @@ __device__ __forceinline__ FragmentPos fragment_pos(int t, int c) {
   return {lane / 4 + 8 * (c / 2), 8 * t + 2 * (lane % 4) + c % 2};
 }
 
-// grid (max decode tiles, I / kDecodeFeatures): h[row] = glu(z[token(row)] · w1ᵀ, · w3ᵀ).
-template <bool kMxfp4>
-__global__ void __launch_bounds__(kDecodeThreads) gate_up_decode_kernel(const __nv_bfloat16* __restrict__ z,
+// grid (max tiles of 8·kTiles rows, I / kDecodeFeatures): h[row] = glu(z[token(row)] · w1ᵀ, · w3ᵀ).
+template <bool kMxfp4, int kTiles>
+__global__ void __launch_bounds__(kDecodeThreads, decode_min_blocks(kTiles)) gate_up_decode_kernel(const __nv_bfloat16* __restrict__ z,
                                                                         ExpertWeights w13,
                                                                         __nv_bfloat16* __restrict__ h, Schedule s,
                                                                         int L, int I, GluParams act) {
   TileInfo t;
-  if (!tile_info(s, kDecodeRows, t)) return;
+  if (!tile_info(s, 8 * kTiles, t)) return;
   const int lane = threadIdx.x % 32, f0 = blockIdx.y * kDecodeFeatures + threadIdx.x / 32 * 16;
-  DecodeOperands<2> op = decode_operands<2, kMxfp4>(w13, 2 * (int64_t)t.expert * I + f0, I, L);
+  auto op = decode_operands<2, kMxfp4, kTiles>(w13, 2 * (int64_t)t.expert * I + f0, I, L);
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < kTiles; ++i) {
     const int n = 8 * i + lane / 4;
     op.x[i] = n < t.rows ? z + (int64_t)s.sorted_token[t.row0 + n] * L + (lane % 4) * DecodeSlab<kMxfp4>::kElems
                          : nullptr;
   }
-  float acc[2][2][4] = {};
-  decode_mainloop<2, kMxfp4>(acc, op, L / DecodeSlab<kMxfp4>::kWidth, t.rows > 8);
+  float acc[2][kTiles][4] = {};
+  decode_mainloop<2, kMxfp4, kTiles>(acc, op, L / DecodeSlab<kMxfp4>::kWidth);
 #pragma unroll
-  for (int i = 0; i < 2; ++i)
+  for (int i = 0; i < kTiles; ++i)
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const FragmentPos p = fragment_pos(i, c);
@@ -177,25 +188,25 @@ __global__ void __launch_bounds__(kDecodeThreads) gate_up_decode_kernel(const __
     }
 }
 
-// grid (max decode tiles, L / kDecodeFeatures): acc[token(row)] += weight(row) · h[row] · w2ᵀ,
+// grid (max tiles of 8·kTiles rows, L / kDecodeFeatures): acc[token(row)] += weight(row) · h[row] · w2ᵀ,
 // one fp32 atomic per element and routed expert (order varies; fp32 rounding of the sum).
-template <bool kMxfp4>
-__global__ void __launch_bounds__(kDecodeThreads) down_decode_kernel(const __nv_bfloat16* __restrict__ h,
+template <bool kMxfp4, int kTiles>
+__global__ void __launch_bounds__(kDecodeThreads, decode_min_blocks(kTiles)) down_decode_kernel(const __nv_bfloat16* __restrict__ h,
                                                                      ExpertWeights w2, float* __restrict__ acc_out,
                                                                      Schedule s, int L, int I) {
   TileInfo t;
-  if (!tile_info(s, kDecodeRows, t)) return;
+  if (!tile_info(s, 8 * kTiles, t)) return;
   const int lane = threadIdx.x % 32, f0 = blockIdx.y * kDecodeFeatures + threadIdx.x / 32 * 16;
-  DecodeOperands<1> op = decode_operands<1, kMxfp4>(w2, (int64_t)t.expert * L + f0, 0, I);
+  auto op = decode_operands<1, kMxfp4, kTiles>(w2, (int64_t)t.expert * L + f0, 0, I);
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < kTiles; ++i) {
     const int n = 8 * i + lane / 4;
     op.x[i] = n < t.rows ? h + (int64_t)(t.row0 + n) * I + (lane % 4) * DecodeSlab<kMxfp4>::kElems : nullptr;
   }
-  float acc[1][2][4] = {};
-  decode_mainloop<1, kMxfp4>(acc, op, I / DecodeSlab<kMxfp4>::kWidth, t.rows > 8);
+  float acc[1][kTiles][4] = {};
+  decode_mainloop<1, kMxfp4, kTiles>(acc, op, I / DecodeSlab<kMxfp4>::kWidth);
 #pragma unroll
-  for (int i = 0; i < 2; ++i)
+  for (int i = 0; i < kTiles; ++i)
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const FragmentPos p = fragment_pos(i, c);
