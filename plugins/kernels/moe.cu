@@ -68,8 +68,15 @@ int launch_route(const void* x, const float* router_weight, const float* bias, f
   if (!routing_supported(E, k, G) || D < 1 || (scoring != 0 && scoring != 1)) return cudaErrorInvalidValue;
   const auto* xb = static_cast<const __nv_bfloat16*>(x);
   if (T <= kGemvMaxTokens && D % 4 == 0) {
-    const dim3 grid((E + kGemvWarps - 1) / kGemvWarps, (T + kGemvTokens - 1) / kGemvTokens);
-    router_logits_gemv_kernel<<<grid, 32 * kGemvWarps, 0, stream>>>(xb, router_weight, logits, T, D, E);
+    const unsigned experts = (E + kGemvExperts - 1) / kGemvExperts;
+    if (T == 1) {
+      router_logits_gemv_kernel<1><<<experts, 32 * kGemvWarps, 0, stream>>>(xb, router_weight, logits, T, D, E);
+    } else if (T <= 4) {
+      router_logits_gemv_kernel<4><<<experts, 32 * kGemvWarps, 0, stream>>>(xb, router_weight, logits, T, D, E);
+    } else {
+      router_logits_gemv_kernel<8><<<dim3(experts, (T + 7) / 8), 32 * kGemvWarps, 0, stream>>>(xb, router_weight,
+                                                                                              logits, T, D, E);
+    }
   } else {
     const dim3 grid((E + kLogitTile - 1) / kLogitTile, (T + kLogitTile - 1) / kLogitTile);
     router_logits_kernel<<<grid, 256, 0, stream>>>(xb, router_weight, logits, T, D, E);

@@ -54,6 +54,47 @@ struct DecodeOperands {
   const __nv_bfloat16* x[kTiles];  // tokens r (and 8+r) at the lane's first element; nullptr = no token
 };
 
+// The MMAs of one slab: four words (two MMAs) at a time, MXFP4 dequantising one packed word
+// per row for them.
+template <int kMats, int kTiles, bool kMxfp4, bool kTwoSteps>
+__device__ __forceinline__ void decode_slab(float (&acc)[kMats][kTiles][4],
+                                            const uint32_t (&raw)[kMats][2][DecodeSlab<kMxfp4>::kRawWords],
+                                            const uint32_t (&scale)[kMats][2],
+                                            const uint32_t (&x)[kTiles][DecodeSlab<kMxfp4>::kWords]) {
+  using S = DecodeSlab<kMxfp4>;
+  Mxfp4Scale sc[kMats][2];
+  if constexpr (kMxfp4) {
+#pragma unroll
+    for (int mat = 0; mat < kMats; ++mat)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) sc[mat][h] = mxfp4_scale(scale[mat][h]);
+  }
+#pragma unroll
+  for (int g = 0; g < S::kWords / 4; ++g) {
+    uint32_t w[kMats][2][4];
+#pragma unroll
+    for (int mat = 0; mat < kMats; ++mat)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (kMxfp4) {
+          mxfp4_dequant8<kTwoSteps>(raw[mat][h][g], sc[mat][h], w[mat][h]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) w[mat][h][i] = raw[mat][h][i];
+        }
+      }
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+      for (int mat = 0; mat < kMats; ++mat) {
+        const uint32_t a[4] = {w[mat][0][2 * jj], w[mat][1][2 * jj], w[mat][0][2 * jj + 1], w[mat][1][2 * jj + 1]};
+        const int j = 2 * g + jj;
+#pragma unroll
+        for (int t = 0; t < kTiles; ++t) mma_bf16(acc[mat][t], a, x[t][2 * j], x[t][2 * j + 1]);
+      }
+  }
+}
+
 // acc[mat][n tile][c] += W_mat[16 rows] · X[16 tokens]ᵀ over nslab slabs.
 template <int kMats, bool kMxfp4, int kTiles>
 __device__ __forceinline__ void decode_mainloop(float (&acc)[kMats][kTiles][4],
@@ -93,37 +134,17 @@ __device__ __forceinline__ void decode_mainloop(float (&acc)[kMats][kTiles][4],
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (s0 + u >= nslab) continue;
-      Mxfp4Scale sc[kMats][2];
       if constexpr (kMxfp4) {
+        uint32_t largest = 0;  // scale bytes above 128 (never in practice) take the two-step path
 #pragma unroll
-        for (int mat = 0; mat < kMats; ++mat)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) sc[mat][h] = mxfp4_scale(scale[u][mat][h]);
-      }
-      // Four words (two MMAs) at a time: MXFP4 dequantises one packed word per row for them.
-#pragma unroll
-      for (int g = 0; g < S::kWords / 4; ++g) {
-        uint32_t w[kMats][2][4];
-#pragma unroll
-        for (int mat = 0; mat < kMats; ++mat)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            if constexpr (kMxfp4) {
-              mxfp4_dequant8(raw[u][mat][h][g], sc[mat][h], w[mat][h]);
-            } else {
-#pragma unroll
-              for (int i = 0; i < 4; ++i) w[mat][h][i] = raw[u][mat][h][i];
-            }
-          }
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj)
-#pragma unroll
-          for (int mat = 0; mat < kMats; ++mat) {
-            const uint32_t a[4] = {w[mat][0][2 * jj], w[mat][1][2 * jj], w[mat][0][2 * jj + 1], w[mat][1][2 * jj + 1]};
-            const int j = 2 * g + jj;
-#pragma unroll
-            for (int t = 0; t < kTiles; ++t) mma_bf16(acc[mat][t], a, x[u][t][2 * j], x[u][t][2 * j + 1]);
-          }
+        for (int mat = 0; mat < kMats; ++mat) largest = max(largest, max(scale[u][mat][0], scale[u][mat][1]));
+        if (largest > 128u) {
+          decode_slab<kMats, kTiles, true, true>(acc, raw[u], scale[u], x[u]);
+        } else {
+          decode_slab<kMats, kTiles, true, false>(acc, raw[u], scale[u], x[u]);
+        }
+      } else {
+        decode_slab<kMats, kTiles, false, false>(acc, raw[u], scale[u], x[u]);
       }
     }
   }

@@ -46,7 +46,9 @@ __device__ __forceinline__ Mxfp4Scale mxfp4_scale(uint32_t b) {
 }
 
 // Eight codes (element 2m in the low nibble of byte m of `packed`) -> four bf16x2 words,
-// word m = (element 2m, element 2m + 1), times the scale.
+// word m = (element 2m, element 2m + 1), times the scale; kTwoSteps must equal s.two_steps
+// (callers branch once per row and k-step, not per word).
+template <bool kTwoSteps>
 __device__ __forceinline__ void mxfp4_dequant8(uint32_t packed, const Mxfp4Scale& s, uint32_t (&out)[4]) {
   const uint32_t odd = packed & 0xF0F0F0F0u;          // odd elements: high nibble of each byte
   const uint32_t even = (packed << 4) & 0xF0F0F0F0u;  // even elements moved to the high nibble
@@ -58,8 +60,16 @@ __device__ __forceinline__ void mxfp4_dequant8(uint32_t packed, const Mxfp4Scale
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(x) : "r"(even), "r"(odd), "r"(sel));
     const uint32_t bits = (x & 0x80008000u) | ((x >> 6) & 0x01C001C0u);
     __nv_bfloat162 v = __hmul2(bf16x2_from_bits(bits), s.first);
-    if (s.two_steps) v = __hmul2(v, s.second);
+    if constexpr (kTwoSteps) v = __hmul2(v, s.second);
     out[m] = *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+__device__ __forceinline__ void mxfp4_dequant8(uint32_t packed, const Mxfp4Scale& s, uint32_t (&out)[4]) {
+  if (s.two_steps) {
+    mxfp4_dequant8<true>(packed, s, out);
+  } else {
+    mxfp4_dequant8<false>(packed, s, out);
   }
 }
 

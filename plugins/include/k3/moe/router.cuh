@@ -88,38 +88,49 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// The same logits for a few tokens (decode): the tiled kernel would give each of a handful of
-// CTAs the whole D loop; here a warp owns one expert row and up to kGemvTokens tokens, reads
-// the fp32 row with 16-byte loads once and sums per lane, then across the warp.
-// grid (ceil(E / kGemvWarps), ceil(T / kGemvTokens)), kGemvWarps warps; D % 4 == 0.
-constexpr int kGemvTokens = 8, kGemvWarps = 8, kGemvMaxTokens = 64;
+// The same logits for a few tokens (decode), where the tiled kernel would give each of a
+// handful of CTAs the whole D loop. A CTA owns kGemvExperts expert rows, each split over
+// kGemvSplit warps (interleaved 16-byte chunks of the fp32 row), and kTokens tokens; the
+// warps' partial sums meet in shared memory in a fixed order (deterministic logits).
+// grid (ceil(E / kGemvExperts), ceil(T / kTokens)); D % 4 == 0.
+constexpr int kGemvWarps = 8, kGemvSplit = 4, kGemvExperts = kGemvWarps / kGemvSplit, kGemvMaxTokens = 64;
 
+template <int kTokens>
 __global__ void __launch_bounds__(32 * kGemvWarps) router_logits_gemv_kernel(const __nv_bfloat16* __restrict__ x,
                                                                            const float* __restrict__ w,
                                                                            float* __restrict__ logits, int T,
                                                                            int D, int E) {
-  const int e = blockIdx.x * kGemvWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (e >= E) return;
-  const int t0 = blockIdx.y * kGemvTokens, nt = T - t0 < kGemvTokens ? T - t0 : kGemvTokens;
-  const float* wr = w + (size_t)e * D;
-  float acc[kGemvTokens] = {};
+  __shared__ float partial[kGemvWarps][kTokens];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, part = warp % kGemvSplit;
+  const int e = blockIdx.x * kGemvExperts + warp / kGemvSplit, t0 = blockIdx.y * kTokens;
+  float acc[kTokens] = {};
+  if (e < E) {
+    const float* wr = w + (size_t)e * D;
 #pragma unroll 4
-  for (int k = 4 * lane; k < D; k += 128) {
-    const float4 wv = __ldg(reinterpret_cast<const float4*>(wr + k));
+    for (int k = 4 * (lane + 32 * part); k < D; k += 128 * kGemvSplit) {
+      const float4 wv = __ldg(reinterpret_cast<const float4*>(wr + k));
 #pragma unroll
-    for (int t = 0; t < kGemvTokens; ++t) {
-      if (t >= nt) break;
-      const uint2 raw = __ldg(reinterpret_cast<const uint2*>(x + (size_t)(t0 + t) * D + k));
-      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-      const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-      acc[t] = fmaf(a.x, wv.x, fmaf(a.y, wv.y, fmaf(b.x, wv.z, fmaf(b.y, wv.w, acc[t]))));
+      for (int t = 0; t < kTokens; ++t) {
+        if (t0 + t < T) {
+          const uint2 raw = __ldg(reinterpret_cast<const uint2*>(x + (size_t)(t0 + t) * D + k));
+          const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+          const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+          acc[t] = fmaf(a.x, wv.x, fmaf(a.y, wv.y, fmaf(b.x, wv.z, fmaf(b.y, wv.w, acc[t]))));
+        }
+      }
     }
   }
 #pragma unroll
-  for (int t = 0; t < kGemvTokens; ++t) {
-    if (t >= nt) break;
+  for (int t = 0; t < kTokens; ++t) {
     const float v = warp_sum(acc[t]);
-    if (lane == 0) logits[(size_t)(t0 + t) * E + e] = v;
+    if (lane == 0) partial[warp][t] = v;
+  }
+  __syncthreads();
+  if (part == 0 && e < E && lane < kTokens && t0 + lane < T) {
+    float sum = partial[warp][lane];
+#pragma unroll
+    for (int p = 1; p < kGemvSplit; ++p) sum += partial[warp + p][lane];
+    logits[(size_t)(t0 + lane) * E + e] = sum;
   }
 }
 
