@@ -52,6 +52,7 @@ struct DecodeOperands {
   const uint8_t* w[kMats][2];      // weight rows r and r+8 of each matrix, at the lane's first element
   const uint8_t* scale[kMats][2];  // MXFP4: the scale byte of that first element
   const __nv_bfloat16* x[kTiles];  // tokens r (and 8+r) at the lane's first element; nullptr = no token
+  const uint32_t* lane_table;      // MXFP4: the CTA's dequantisation table + lane
 };
 
 // The MMAs of one slab: four words (two MMAs) at a time, MXFP4 dequantising one packed word
@@ -60,14 +61,25 @@ template <int kMats, int kTiles, bool kMxfp4, bool kTwoSteps>
 __device__ __forceinline__ void decode_slab(float (&acc)[kMats][kTiles][4],
                                             const uint32_t (&raw)[kMats][2][DecodeSlab<kMxfp4>::kRawWords],
                                             const uint32_t (&scale)[kMats][2],
-                                            const uint32_t (&x)[kTiles][DecodeSlab<kMxfp4>::kWords]) {
+                                            const uint32_t (&x)[kTiles][DecodeSlab<kMxfp4>::kWords],
+                                            const uint32_t* lane_table) {
   using S = DecodeSlab<kMxfp4>;
+#ifdef K3_MOE_DECODE_BITS
   Mxfp4Scale sc[kMats][2];
+#else
+  __nv_bfloat162 sc[kMats][2];
+#endif
   if constexpr (kMxfp4) {
 #pragma unroll
     for (int mat = 0; mat < kMats; ++mat)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) sc[mat][h] = mxfp4_scale(scale[mat][h]);
+      for (int h = 0; h < 2; ++h) {
+#ifdef K3_MOE_DECODE_BITS
+        sc[mat][h] = mxfp4_scale(scale[mat][h]);
+#else
+        sc[mat][h] = mxfp4_scale_bf16x2(scale[mat][h]);
+#endif
+      }
   }
 #pragma unroll
   for (int g = 0; g < S::kWords / 4; ++g) {
@@ -77,7 +89,11 @@ __device__ __forceinline__ void decode_slab(float (&acc)[kMats][kTiles][4],
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if constexpr (kMxfp4) {
+#ifdef K3_MOE_DECODE_BITS
           mxfp4_dequant8<kTwoSteps>(raw[mat][h][g], sc[mat][h], w[mat][h]);
+#else
+          mxfp4_dequant8_table(raw[mat][h][g], lane_table, sc[mat][h], w[mat][h]);
+#endif
         } else {
 #pragma unroll
           for (int i = 0; i < 4; ++i) w[mat][h][i] = raw[mat][h][i];
@@ -139,12 +155,12 @@ __device__ __forceinline__ void decode_mainloop(float (&acc)[kMats][kTiles][4],
 #pragma unroll
         for (int mat = 0; mat < kMats; ++mat) largest = max(largest, max(scale[u][mat][0], scale[u][mat][1]));
         if (largest > 128u) {
-          decode_slab<kMats, kTiles, true, true>(acc, raw[u], scale[u], x[u]);
+          decode_slab<kMats, kTiles, true, true>(acc, raw[u], scale[u], x[u], op.lane_table);
         } else {
-          decode_slab<kMats, kTiles, true, false>(acc, raw[u], scale[u], x[u]);
+          decode_slab<kMats, kTiles, true, false>(acc, raw[u], scale[u], x[u], op.lane_table);
         }
       } else {
-        decode_slab<kMats, kTiles, false, false>(acc, raw[u], scale[u], x[u]);
+        decode_slab<kMats, kTiles, false, false>(acc, raw[u], scale[u], x[u], op.lane_table);
       }
     }
   }
@@ -187,10 +203,16 @@ __global__ void __launch_bounds__(kDecodeThreads, decode_min_blocks(kTiles)) gat
                                                                         ExpertWeights w13,
                                                                         __nv_bfloat16* __restrict__ h, Schedule s,
                                                                         int L, int I, GluParams act) {
+  __shared__ uint32_t table[kMxfp4 ? kMxfp4TableWords : 1];
   TileInfo t;
   if (!tile_info(s, 8 * kTiles, t)) return;
   const int lane = threadIdx.x % 32, f0 = blockIdx.y * kDecodeFeatures + threadIdx.x / 32 * 16;
   auto op = decode_operands<2, kMxfp4, kTiles>(w13, 2 * (int64_t)t.expert * I + f0, I, L);
+  if constexpr (kMxfp4) {
+    mxfp4_table_fill(table);
+    __syncthreads();
+    op.lane_table = table + lane;
+  }
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) {
     const int n = 8 * i + lane / 4;
@@ -215,10 +237,16 @@ template <bool kMxfp4, int kTiles>
 __global__ void __launch_bounds__(kDecodeThreads, decode_min_blocks(kTiles)) down_decode_kernel(const __nv_bfloat16* __restrict__ h,
                                                                      ExpertWeights w2, float* __restrict__ acc_out,
                                                                      Schedule s, int L, int I) {
+  __shared__ uint32_t table[kMxfp4 ? kMxfp4TableWords : 1];
   TileInfo t;
   if (!tile_info(s, 8 * kTiles, t)) return;
   const int lane = threadIdx.x % 32, f0 = blockIdx.y * kDecodeFeatures + threadIdx.x / 32 * 16;
   auto op = decode_operands<1, kMxfp4, kTiles>(w2, (int64_t)t.expert * L + f0, 0, I);
+  if constexpr (kMxfp4) {
+    mxfp4_table_fill(table);
+    __syncthreads();
+    op.lane_table = table + lane;
+  }
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) {
     const int n = 8 * i + lane / 4;

@@ -73,5 +73,43 @@ __device__ __forceinline__ void mxfp4_dequant8(uint32_t packed, const Mxfp4Scale
   }
 }
 
+// Table form for the decode GEMVs, where dequantisation (not the MMAs) bounds the kernel: one
+// shared-memory load yields both bf16 values of a byte, so a pair costs a byte extract, an
+// address and a load instead of five integer operations. Entry (byte, lane) at word
+// byte·32 + lane: every lane reads its own bank, so arbitrary bytes never conflict
+// (256 x 32 words = 32 KiB per CTA). The values are exact E2M1 in bf16, so one multiply by
+// the bf16 scale 2^(b-127) (a bf16 for every byte b, subnormal at 0) finishes them.
+constexpr int kMxfp4TableWords = 256 * 32;
+
+__device__ __forceinline__ uint32_t e2m1_bf16_bits(uint32_t code) {
+  const uint32_t mag = code & 7u;  // 0, 0.5, then (1 + m/2)·2^(e-1): exponent field e + 126
+  const uint32_t bits = mag == 0u ? 0u : mag == 1u ? 0x3F00u : (((mag >> 1) + 126u) << 7) | ((mag & 1u) << 6);
+  return bits | ((code & 8u) << 12);
+}
+
+// All threads of the CTA; the caller syncs before the first lookup.
+__device__ __forceinline__ void mxfp4_table_fill(uint32_t* table) {
+  for (int i = threadIdx.x; i < kMxfp4TableWords; i += blockDim.x) {
+    const uint32_t byte = i / 32;
+    table[i] = e2m1_bf16_bits(byte & 15u) | (e2m1_bf16_bits(byte >> 4) << 16);
+  }
+}
+
+__device__ __forceinline__ __nv_bfloat162 mxfp4_scale_bf16x2(uint32_t b) {
+  const uint32_t e = b == 255u ? 0x7FC0u : b == 0u ? 0x0040u : b << 7;
+  return bf16x2_from_bits(e | (e << 16));
+}
+
+// As mxfp4_dequant8, through the table; lane_table = table + lane.
+__device__ __forceinline__ void mxfp4_dequant8_table(uint32_t packed, const uint32_t* lane_table,
+                                                     __nv_bfloat162 scale, uint32_t (&out)[4]) {
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    const uint32_t byte = __byte_perm(packed, 0u, 0x4440u | m);
+    __nv_bfloat162 v = __hmul2(bf16x2_from_bits(lane_table[byte * 32]), scale);
+    out[m] = *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
 }  // namespace moe
 }  // namespace k3
