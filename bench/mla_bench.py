@@ -1,8 +1,10 @@
 """MLA kernels on the GPU: decode (absorbed, paged) and prefill, against FlashMLA and torch.
 
     python bench/mla_bench.py --out DIR [--flashmla path/_flashmla_C.abi3.so]
+        [--shapes 64x8192x12,256x8192x16] [--attn-only] [--skip-prefill] [--no-plot]
 
-Writes DIR/mla_h200.json and DIR/mla_h200.png. Decode bandwidth counts the latent cache
+Writes DIR/mla_h200.json and DIR/mla_h200.png (--shapes: decode B x L x H to run;
+--attn-only: time the attention part alone, without whole-decode and torch rows). Decode bandwidth counts the latent cache
 bytes that must be read once (B * L * (R+Dr) * 2), over the time of the attention part
 alone (FlashMLA's scope: q_lat in, a_lat out) and of the whole decode op (cache insert,
 q_nope·W_UK, attention, ·W_UV), as TB/s and as a fraction of a device-to-device copy
@@ -65,7 +67,7 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def decode_case(batch, length, heads, copy_tbps, flashmla):
+def decode_case(batch, length, heads, copy_tbps, flashmla, attn_only=False):
     gen = torch.Generator(device="cuda").manual_seed(batch * 7 + heads)
     blocks_per_seq = length // BLOCK
     num_blocks = batch * blocks_per_seq
@@ -111,8 +113,10 @@ def decode_case(batch, length, heads, copy_tbps, flashmla):
 
     want = eager_attn(0)
     row["ours_vs_eager_rel_err"] = rel_err(ours_attn(0), want)
-    timings = {"ours_attn": time_ms(ours_attn), "ours_whole": time_ms(ours_whole),
-               "eager_attn": time_ms(eager_attn, reps=5), "eager_whole": time_ms(eager_whole, reps=5)}
+    timings = {"ours_attn": time_ms(ours_attn)}
+    if not attn_only:
+        timings.update(ours_whole=time_ms(ours_whole), eager_attn=time_ms(eager_attn, reps=5),
+                       eager_whole=time_ms(eager_whole, reps=5))
 
     if flashmla:
         q_cat = torch.cat([q_lat, q[..., NOPE:]], dim=-1).view(batch, 1, heads, WIDTH)
@@ -135,7 +139,8 @@ def decode_case(batch, length, heads, copy_tbps, flashmla):
         try:
             row["flashmla_vs_eager_rel_err"] = rel_err(fm_attn(0).view(batch, heads, RANK), want)
             timings["flashmla_attn"] = time_ms(fm_attn)
-            timings["flashmla_whole"] = time_ms(fm_whole)
+            if not attn_only:
+                timings["flashmla_whole"] = time_ms(fm_whole)
         except Exception as exc:  # record why the peer did not run, keep our numbers
             row["flashmla_error"] = repr(exc)[:300]
 
@@ -236,6 +241,10 @@ def main():
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--flashmla", type=Path, default=ROOT / ".carry/_flashmla_C.abi3.so")
     parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument("--shapes", type=lambda text: [tuple(int(x) for x in s.split("x")) for s in text.split(",")],
+                        default=DECODE_SHAPES)
+    parser.add_argument("--attn-only", action="store_true")
+    parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     flashmla = args.flashmla.exists()
@@ -246,8 +255,8 @@ def main():
                   date=datetime.date.today().isoformat(), torch=torch.__version__, copy_tbps=copy_tbps,
                   decode=[], prefill=[])
     print(f"copy {copy_tbps:.2f} TB/s")
-    for shape in DECODE_SHAPES:
-        row = decode_case(*shape, copy_tbps, flashmla)
+    for shape in args.shapes:
+        row = decode_case(*shape, copy_tbps, flashmla, args.attn_only)
         torch.cuda.empty_cache()  # the next shape's caches are large
         result["decode"].append(row)
         print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
@@ -260,12 +269,16 @@ def main():
                 print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                       flush=True)
                 (args.out / "mla_h200.json").write_text(json.dumps(result, indent=1))
-    plot(result, args.out / "mla_h200.png")
-    print("decode summary (TB/s, fraction of copy):")
+    if not args.no_plot:
+        plot(result, args.out / "mla_h200.png")
+    print("decode summary (attention us, TB/s, fraction of copy):")
+    nan = float("nan")
     for r in result["decode"]:
-        print(f"  B={r['batch']:4d} L={r['context']:6d} H={r['heads']:4d}  ours attn {r['ours_attn_tbps']:.2f} "
-              f"({r['ours_attn_copy_frac']:.0%})  whole {r['ours_whole_tbps']:.2f}  FlashMLA attn "
-              f"{r.get('flashmla_attn_tbps', float('nan')):.2f}  eager {r['eager_attn_tbps']:.2f}")
+        print(f"  B={r['batch']:4d} L={r['context']:6d} H={r['heads']:4d}  ours attn {r['ours_attn_us']:.1f} us "
+              f"{r['ours_attn_tbps']:.2f} ({r['ours_attn_copy_frac']:.0%})  FlashMLA attn "
+              f"{r.get('flashmla_attn_us', nan):.1f} us {r.get('flashmla_attn_tbps', nan):.2f} "
+              f"({r.get('flashmla_attn_copy_frac', nan):.0%})  whole {r.get('ours_whole_tbps', nan):.2f}  "
+              f"eager {r.get('eager_attn_tbps', nan):.2f}")
 
 
 if __name__ == "__main__":

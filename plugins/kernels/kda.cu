@@ -52,6 +52,28 @@ cudaError_t launch_recurrent(const Params& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// Decode: the persistent pipelined kernel, one CTA per SM (fewer when there are fewer
+// items). Its bulk copies need 16-byte aligned rows; other base pointers (never seen from
+// torch) take the per-item kernel.
+template <int D, int W>
+cudaError_t launch_decode(const Params& p, cudaStream_t stream) {
+  const uintptr_t bases = reinterpret_cast<uintptr_t>(p.qkv) | reinterpret_cast<uintptr_t>(p.gate) |
+                          reinterpret_cast<uintptr_t>(p.conv_state) |
+                          reinterpret_cast<uintptr_t>(p.recurrent_state);
+  if (bases % 16 != 0) return launch_recurrent<D, W>(p, stream);
+  auto kernel = k3::kda::decode_kernel<D, W>;
+  constexpr int kSmem = k3::kda::DecodeStage<D, W>::SMEM;
+  int device = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess)
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) return err;
+  const int items = p.num_seqs * p.num_heads;
+  kernel<<<items < sms ? items : sms, k3::kda::kRecThreads + 32, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
 template <int D, int W>
 cudaError_t launch_chunked(const Params& p, float* work, int num_tokens, cudaStream_t stream) {
   constexpr int BV = 32;
@@ -78,12 +100,13 @@ struct Launch {
   bool chunked;
   float* work;  // chunked prefill only
   int num_tokens;
+  bool decode = false;  // token recurrence through the pipelined decode kernel
 };
 
 template <int D, int W>
 cudaError_t dispatch_width(const Params& p, const Launch& l, cudaStream_t stream) {
-  return l.chunked ? launch_chunked<D, W>(p, l.work, l.num_tokens, stream)
-                   : launch_recurrent<D, W>(p, stream);
+  if (l.chunked) return launch_chunked<D, W>(p, l.work, l.num_tokens, stream);
+  return l.decode ? launch_decode<D, W>(p, stream) : launch_recurrent<D, W>(p, stream);
 }
 
 template <int D>
@@ -162,7 +185,7 @@ int k3_kda_decode(const void* qkv, const void* gate, const void* beta, const flo
   const Params p = make_params(qkv, gate, beta, conv_weight, A_log, dt_bias, cu_seqlens,
                                state_slots, has_initial_state, conv_state, recurrent_state, out,
                                num_seqs, num_heads, lower_bound);
-  const Launch l{false, nullptr, num_tokens};
+  const Launch l{false, nullptr, num_tokens, true};
   return dispatch(p, head_dim, conv_width, l, stream);
 }
 

@@ -27,6 +27,15 @@ using k3::mla::bf16;
 
 constexpr int kTileTokens = 64;
 
+#ifndef K3_MLA_SMALL_TILE
+#define K3_MLA_SMALL_TILE 64
+#define K3_MLA_SMALL_STAGES 2
+#define K3_MLA_SMALL_CTAS 1
+#endif
+// The mma.sync kernel's KV ring: tile tokens, stages, CTAs resident per SM.
+constexpr int kSmallTile = K3_MLA_SMALL_TILE, kSmallStages = K3_MLA_SMALL_STAGES;
+constexpr int kSmallCtasPerSm = K3_MLA_SMALL_CTAS;
+
 struct SplitPlan {
   int heads_per_cta;
   int head_groups;
@@ -60,7 +69,7 @@ SplitPlan plan_splits(int num_tokens, int num_heads, int rank, int max_blocks, i
   plan.head_groups = (num_heads + plan.heads_per_cta - 1) / plan.heads_per_cta;
   const int64_t max_kv = std::max<int64_t>(1, static_cast<int64_t>(max_blocks) * block_size);
   const int64_t base = std::max<int64_t>(1, static_cast<int64_t>(num_tokens) * plan.head_groups);
-  const int64_t sms = sm_count();
+  const int64_t sms = sm_count() * (plan.heads_per_cta == 64 ? 1 : kSmallCtasPerSm);
   const int64_t max_splits = std::min<int64_t>(1024, (max_kv + 2 * kTileTokens - 1) / (2 * kTileTokens));
   double best_cost = 0.0;
   plan.num_splits = 1;
@@ -112,8 +121,8 @@ bool supported(int rank, int rope, int nope, int v_dim) {
 
 template <int R, int DR, int MT>
 cudaError_t launch_attention_mt(const k3::mla::LatentAttentionParams& p, cudaStream_t stream) {
-  using C = k3::mla::LatentAttentionConfig<R, DR, MT>;
-  auto kernel = k3::mla::latent_attention_kernel<R, DR, MT>;
+  using C = k3::mla::LatentAttentionConfig<R, DR, MT, kSmallTile, kSmallStages>;
+  auto kernel = k3::mla::latent_attention_kernel<R, DR, MT, kSmallTile, kSmallStages, kSmallCtasPerSm>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(C::SMEM_BYTES));
   if (err != cudaSuccess) return err;
@@ -136,9 +145,11 @@ cudaError_t launch_attention_wgmma(const k3::mla::LatentAttentionParams& p, cuda
 template <int R, int DR>
 cudaError_t launch_attention(const k3::mla::LatentAttentionParams& p, int heads_per_cta,
                              cudaStream_t stream) {
-  cudaError_t err = heads_per_cta == 64 ? launch_attention_wgmma(p, stream)
-                    : heads_per_cta == 16 ? launch_attention_mt<R, DR, 1>(p, stream)
-                                          : launch_attention_mt<R, DR, 2>(p, stream);
+  cudaError_t err;
+  if constexpr (R == 512)  // heads_per_cta() gives 16 or 64 for the K3 latent
+    err = heads_per_cta == 64 ? launch_attention_wgmma(p, stream) : launch_attention_mt<R, DR, 1>(p, stream);
+  else
+    err = heads_per_cta == 16 ? launch_attention_mt<R, DR, 1>(p, stream) : launch_attention_mt<R, DR, 2>(p, stream);
   if (err != cudaSuccess || p.num_splits == 1) return err;
   const int64_t rows = static_cast<int64_t>(p.num_tokens) * p.num_heads;
   k3::mla::combine_splits_kernel<R><<<static_cast<unsigned>(rows), R / 4, 0, stream>>>(

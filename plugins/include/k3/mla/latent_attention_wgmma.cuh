@@ -26,6 +26,7 @@ struct WgmmaAttentionConfig {
   static constexpr int TILE_ELEMS = (D / 64) * BLOCK_ELEMS;
   static constexpr size_t TILE_BYTES = size_t(TILE_ELEMS) * 2;
   static constexpr size_t SMEM_BYTES = 3 * TILE_BYTES + 1024;  // Q + two KV stages + alignment
+  static_assert(NT == 8 * (THREADS / 32), "the tile loader gives each warp 8 rows");
 };
 
 // Element offset of 16-byte chunk c of row r in a tile of swizzled column blocks.
@@ -73,19 +74,22 @@ __global__ void __launch_bounds__(256, 1) latent_attention_wgmma_kernel(const La
     cp_async16(s_q + sw128_offset(row, ch), src, ok ? 16 : 0);
   }
 
+  // Warp w copies tile rows 8w..8w+7 as one run of 8*CHUNKS 16-byte chunks, 32 consecutive
+  // chunks per instruction, so each request covers whole 128-byte lines of a cache row.
+  // Lane r < 8 looks up row 8w+r; the others take its cache slot by shuffle (-1: past the
+  // key range, zero-filled).
   auto load_tile = [&](int tile, int stage) {
-    const int row = tid >> 2, part = tid & 3;
-    const int pos = kv_begin + tile * NT + row;
-    const bool ok = pos < kv_end;
-    const bf16* src = p.cache;
-    if (ok) {
-      const int block = __ldg(block_row + pos / p.block_size);
-      src = p.cache + (static_cast<int64_t>(block) * p.block_size + pos % p.block_size) * C::D;
-    }
+    const int pos = kv_begin + tile * NT + 8 * warp + (lane & 7);
+    int slot = -1;
+    if (lane < 8 && pos < kv_end) slot = __ldg(block_row + pos / p.block_size) * p.block_size + pos % p.block_size;
     bf16* dst = s_kv + stage * C::TILE_ELEMS;
 #pragma unroll
-    for (int ch = part; ch < C::CHUNKS; ch += 4)
-      cp_async16(dst + sw128_offset(row, ch), src + (ok ? ch * 8 : 0), ok ? 16 : 0);
+    for (int i = 0; i < C::CHUNKS / 4; ++i) {
+      const int chunk = 32 * i + lane, row = chunk / C::CHUNKS, ch = chunk % C::CHUNKS;
+      const int row_slot = __shfl_sync(0xffffffffu, slot, row);
+      const bf16* src = row_slot < 0 ? p.cache : p.cache + static_cast<int64_t>(row_slot) * C::D + ch * 8;
+      cp_async16(dst + sw128_offset(8 * warp + row, ch), src, row_slot < 0 ? 0 : 16);
+    }
   };
 
   if (n_tiles > 0) load_tile(0, 0);

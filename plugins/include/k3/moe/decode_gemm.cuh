@@ -4,7 +4,9 @@
 // the tile's tokens its N side (kTiles n8 tiles: 8 rows per tile for T <= 8, where no expert
 // can get more rows, else 16). A lane then loads whole 16-byte
 // (bf16) or 8-byte (MXFP4) runs of its weight rows from global memory straight into A
-// fragments: no shared memory, no barriers, kDecodeUnroll slabs of loads in flight per lane.
+// fragments (shared memory only for the MXFP4 table), kDecodeUnroll slabs of loads in flight
+// per lane. (Two register stages, the next stage loaded during the current MMAs, measured
+// slower: fewer CTAs fit and the activations are then loaded per slab, exposing their latency.)
 // The k order inside a slab is permuted the same way for weights and activations (a dot
 // product does not depend on it): lane (r = lane/4, q = lane%4) holds elements
 // [slab·W + q·E, +E) of weight rows r and r+8 and of tokens r (and 8+r), and MMA j of the slab
@@ -56,30 +58,21 @@ struct DecodeOperands {
 };
 
 // The MMAs of one slab: four words (two MMAs) at a time, MXFP4 dequantising one packed word
-// per row for them.
-template <int kMats, int kTiles, bool kMxfp4, bool kTwoSteps>
+// per row for them through the CTA's table (mxfp4.cuh: measured 10-20% faster here than the
+// bit-move form, which the prefill GEMMs keep since their MMAs, not dequantisation, bound them).
+template <int kMats, int kTiles, bool kMxfp4>
 __device__ __forceinline__ void decode_slab(float (&acc)[kMats][kTiles][4],
                                             const uint32_t (&raw)[kMats][2][DecodeSlab<kMxfp4>::kRawWords],
                                             const uint32_t (&scale)[kMats][2],
                                             const uint32_t (&x)[kTiles][DecodeSlab<kMxfp4>::kWords],
                                             const uint32_t* lane_table) {
   using S = DecodeSlab<kMxfp4>;
-#ifdef K3_MOE_DECODE_BITS
-  Mxfp4Scale sc[kMats][2];
-#else
   __nv_bfloat162 sc[kMats][2];
-#endif
   if constexpr (kMxfp4) {
 #pragma unroll
     for (int mat = 0; mat < kMats; ++mat)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#ifdef K3_MOE_DECODE_BITS
-        sc[mat][h] = mxfp4_scale(scale[mat][h]);
-#else
-        sc[mat][h] = mxfp4_scale_bf16x2(scale[mat][h]);
-#endif
-      }
+      for (int h = 0; h < 2; ++h) sc[mat][h] = mxfp4_scale_bf16x2(scale[mat][h]);
   }
 #pragma unroll
   for (int g = 0; g < S::kWords / 4; ++g) {
@@ -89,11 +82,7 @@ __device__ __forceinline__ void decode_slab(float (&acc)[kMats][kTiles][4],
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if constexpr (kMxfp4) {
-#ifdef K3_MOE_DECODE_BITS
-          mxfp4_dequant8<kTwoSteps>(raw[mat][h][g], sc[mat][h], w[mat][h]);
-#else
           mxfp4_dequant8_table(raw[mat][h][g], lane_table, sc[mat][h], w[mat][h]);
-#endif
         } else {
 #pragma unroll
           for (int i = 0; i < 4; ++i) w[mat][h][i] = raw[mat][h][i];
@@ -150,18 +139,7 @@ __device__ __forceinline__ void decode_mainloop(float (&acc)[kMats][kTiles][4],
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (s0 + u >= nslab) continue;
-      if constexpr (kMxfp4) {
-        uint32_t largest = 0;  // scale bytes above 128 (never in practice) take the two-step path
-#pragma unroll
-        for (int mat = 0; mat < kMats; ++mat) largest = max(largest, max(scale[u][mat][0], scale[u][mat][1]));
-        if (largest > 128u) {
-          decode_slab<kMats, kTiles, true, true>(acc, raw[u], scale[u], x[u], op.lane_table);
-        } else {
-          decode_slab<kMats, kTiles, true, false>(acc, raw[u], scale[u], x[u], op.lane_table);
-        }
-      } else {
-        decode_slab<kMats, kTiles, false, false>(acc, raw[u], scale[u], x[u], op.lane_table);
-      }
+      decode_slab<kMats, kTiles, kMxfp4>(acc, raw[u], scale[u], x[u], op.lane_table);
     }
   }
 }
