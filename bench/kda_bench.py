@@ -1,7 +1,7 @@
 """KDA prefill / decode on the GPU: ours (plugins/kernels/kda.cu) next to FlashKDA and FLA.
 
 Run on the GPU machine, in one process, so that every number shares the card's state:
-    python3 bench/kda_bench.py --out DIR
+    python3 bench/kda_bench.py --out DIR [--decode-only] [--decode-batches 1 64 256]
 Peers, if importable: FlashKDA = ``_flashkda_C.abi3.so`` from the vllm==0.33.0 wheel
 (path in --flashkda), FLA = ``fla-core==0.6.0`` (chunk_kda / fused_recurrent_kda).
 Our kernels are timed through their C launchers (no torch-side argument checks), the peers
@@ -104,6 +104,29 @@ def ours(name: str, x, lib=None):
     return run
 
 
+STATE_KEYS = ("qkv", "gate", "beta", "conv_weight", "A_log", "dt_bias", "cu_seqlens", "state_slots",
+              "has_initial_state", "conv_state", "recurrent_state")
+
+
+def decode_errors(x) -> dict[str, float]:
+    """One decode call of ours on copies of the inputs against the fp32 reference op on the CPU
+    (relative Frobenius errors of out and state; the conv state must match exactly). At the
+    bench's batch sizes every persistent CTA walks many items, which the unit tests do not."""
+    import k3_trtllm.ops.kda  # noqa: F401  (registers the reference ops)
+    cpu = {k: x[k].cpu() for k in STATE_KEYS}
+    ref_out = torch.ops.k3.kda_decode(*(cpu[k] for k in STATE_KEYS), x["H"], D, LB)
+    mine = dict(x, conv_state=x["conv_state"].clone(), recurrent_state=x["recurrent_state"].clone(),
+                out=torch.empty_like(x["out"]))
+    ours("k3_kda_decode", mine)()
+    torch.cuda.synchronize()
+
+    def rel(a, b):
+        a, b = a.double().cpu(), b.double()
+        return float((a - b).norm() / b.norm())
+    return dict(out=rel(mine["out"], ref_out), state=rel(mine["recurrent_state"], cpu["recurrent_state"]),
+                conv_state_exact=bool(torch.equal(mine["conv_state"].cpu(), cpu["conv_state"])))
+
+
 def kernel_breakdown(x) -> dict[str, float]:
     """Device time per kernel of one prefill call (torch profiler), in ms."""
     from torch.profiler import ProfilerActivity, profile
@@ -201,6 +224,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--flashkda", type=Path, default=ROOT / ".carry/_flashkda_C.abi3.so")
     ap.add_argument("--no-fla", action="store_true", help="skip FLA (its Triton autotuning is slow)")
+    ap.add_argument("--decode-only", action="store_true", help="skip the prefill shapes")
+    ap.add_argument("--decode-batches", type=int, nargs="+", default=DECODE_BATCHES,
+                    help="decode batch sizes (96 heads, one token per sequence)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     errors: dict[str, str] = {}
@@ -219,7 +245,7 @@ def main() -> None:
         note="ours includes the short conv + SiLU; FlashKDA and FLA start from post-conv q/k/v",
         prefill=[], decode=[], errors=errors,
     )
-    for name, lengths, H in PREFILL_SHAPES:
+    for name, lengths, H in ([] if args.decode_only else PREFILL_SHAPES):
         x = inputs(lengths, H)
         ms = {"ours": timed(f"ours/{name}", lambda x: ours("k3_kda_prefill", x), x, errors),
               "flashkda": timed(f"flashkda/{name}", flashkda, x, errors),
@@ -237,13 +263,18 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         del x
         torch.cuda.empty_cache()
-    for B in DECODE_BATCHES:
+    for B in args.decode_batches:
         x = inputs([1] * B, DECODE_HEADS)
         state_bytes = 2 * B * DECODE_HEADS * D * D * 4  # fp32 state read + written
         ms = {"ours": timed(f"ours/decode{B}", lambda x: ours("k3_kda_decode", x), x, errors),
               "fla": None if args.no_fla else timed(f"fla/decode{B}", fla_recurrent, x, errors)}
         tbs = {k: (None if v is None else state_bytes / v / 1e9) for k, v in ms.items()}
-        row = dict(batch=B, heads=DECODE_HEADS, ms=ms, state_TBps=tbs,
+        try:
+            errs = decode_errors(inputs([1] * B, DECODE_HEADS))
+        except Exception as exc:
+            errs = None
+            errors[f"check/decode{B}"] = f"{type(exc).__name__}: {exc}"
+        row = dict(batch=B, heads=DECODE_HEADS, ms=ms, state_TBps=tbs, rel_err_vs_reference=errs,
                    fraction_of_copy={k: (None if v is None else v / copy) for k, v in tbs.items()},
                    speedup_vs_fla=ratio(ms["ours"], ms["fla"]))
         result["decode"].append(row)
@@ -295,11 +326,14 @@ def print_table(result) -> None:
         print(f"{r['shape']:<20}{f(r['ms']['ours']):>9}{f(r['ms']['flashkda']):>9}{f(r['ms']['fla']):>9}"
               f"{f(r['Mtok_per_s']['ours'], '.2f'):>10}{f(r['speedup_vs_flashkda'], '.2f'):>8}"
               f"{f(r['speedup_vs_fla'], '.2f'):>7}")
-    print(f"{'decode B':<20}{'ours ms':>9}{'fla ms':>9}{'ours TB/s':>10}{'of copy':>8}{'fla TB/s':>9}")
+    print(f"{'decode B':<20}{'ours ms':>9}{'fla ms':>9}{'ours TB/s':>10}{'of copy':>8}{'fla TB/s':>9}"
+          f"{'fla/copy':>9}  rel err out / state / conv exact")
     for r in result["decode"]:
+        e = r.get("rel_err_vs_reference")
+        err = "-" if not e else f"{e['out']:.1e} / {e['state']:.1e} / {e['conv_state_exact']}"
         print(f"{r['batch']:<20}{f(r['ms']['ours'], '.4f'):>9}{f(r['ms']['fla'], '.4f'):>9}"
-              f"{f(r['state_TBps']['ours'], '.2f'):>10}{f(r['fraction_of_copy']['ours'], '.2f'):>8}"
-              f"{f(r['state_TBps']['fla'], '.2f'):>9}")
+              f"{f(r['state_TBps']['ours'], '.2f'):>10}{f(r['fraction_of_copy']['ours'], '.3f'):>8}"
+              f"{f(r['state_TBps']['fla'], '.2f'):>9}{f(r['fraction_of_copy']['fla'], '.3f'):>9}  {err}")
 
 
 if __name__ == "__main__":

@@ -4,11 +4,11 @@
         [--shapes 64x8192x12,256x8192x16] [--attn-only] [--skip-prefill] [--no-plot]
 
 Writes DIR/mla_h200.json and DIR/mla_h200.png (--shapes: decode B x L x H to run;
---attn-only: time the attention part alone, without whole-decode and torch rows). Decode bandwidth counts the latent cache
-bytes that must be read once (B * L * (R+Dr) * 2), over the time of the attention part
-alone (FlashMLA's scope: q_lat in, a_lat out) and of the whole decode op (cache insert,
-q_nope·W_UK, attention, ·W_UV), as TB/s and as a fraction of a device-to-device copy
-measured in the same run. Small caches rotate over copies so that L2 does not serve them.
+--attn-only: time the attention part alone, without whole-decode and torch rows).
+Decode bandwidth counts the latent cache bytes that must be read once (B * L * (R+Dr) * 2),
+over the time of the attention part alone (FlashMLA's scope: q_lat in, a_lat out) and of
+the whole decode op (cache insert, q_nope·W_UK, attention, ·W_UV), as TB/s and as a
+fraction of a device-to-device copy measured in the same run. Small caches rotate over copies so that L2 does not serve them.
 """
 from __future__ import annotations
 
@@ -38,8 +38,11 @@ PREFILL_T = [2048, 16384]
 PREFILL_HEADS = [96, 12]
 
 
-def time_ms(fn, reps=20, warmup=3):
-    """Median of per-call device-event timings; fn(i) gets the call index (for rotation)."""
+def time_ms(fn, reps=20, warmup=3, batch=8):
+    """Median over reps of device-event timings of `batch` back-to-back calls, per call:
+    the queue stays full, so host-side launch overhead (Python, ctypes, allocations) is
+    hidden behind the previous call's kernels as it is in a real decode step.
+    fn(i) gets the call index (for rotation)."""
     for i in range(warmup):
         fn(i)
     torch.cuda.synchronize()
@@ -47,10 +50,11 @@ def time_ms(fn, reps=20, warmup=3):
     for i in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn(i)
+        for k in range(batch):
+            fn(i * batch + k)
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / batch)
     return statistics.median(times)
 
 
@@ -58,7 +62,7 @@ def copy_bandwidth():
     n = 2 << 30
     src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    ms = time_ms(lambda i: dst.copy_(src), reps=20)
+    ms = time_ms(lambda i: dst.copy_(src), reps=10, batch=2)
     return 2 * n / ms / 1e9  # TB/s (read + write)
 
 
@@ -115,8 +119,8 @@ def decode_case(batch, length, heads, copy_tbps, flashmla, attn_only=False):
     row["ours_vs_eager_rel_err"] = rel_err(ours_attn(0), want)
     timings = {"ours_attn": time_ms(ours_attn)}
     if not attn_only:
-        timings.update(ours_whole=time_ms(ours_whole), eager_attn=time_ms(eager_attn, reps=5),
-                       eager_whole=time_ms(eager_whole, reps=5))
+        timings.update(ours_whole=time_ms(ours_whole), eager_attn=time_ms(eager_attn, reps=5, batch=1),
+                       eager_whole=time_ms(eager_whole, reps=5, batch=1))
 
     if flashmla:
         q_cat = torch.cat([q_lat, q[..., NOPE:]], dim=-1).view(batch, 1, heads, WIDTH)
@@ -189,7 +193,7 @@ def prefill_case(tokens, heads):
     row["ours_vs_sdpa_rel_err"] = rel_err(ours(0), want)
     reps = 5 if tokens > 4096 else 10
     for name, fn in (("ours_whole", ours), ("sdpa_attn", sdpa_attn), ("sdpa_whole", sdpa_whole)):
-        ms = time_ms(fn, reps=reps, warmup=2)
+        ms = time_ms(fn, reps=reps, warmup=2, batch=1)
         row[f"{name}_ms"] = ms
         row[f"{name}_mtok_s"] = tokens / ms / 1e3
     return row

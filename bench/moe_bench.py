@@ -1,6 +1,8 @@
 """SiTU latent-MoE routed part on the GPU: ours (plugins/kernels/moe.cu) next to torch._grouped_mm.
 
     python3 bench/moe_bench.py --out DIR        (writes DIR/moe_h200.json)
+    python3 bench/moe_bench.py --prefill-only --out DIR
+    python3 bench/moe_bench.py --profile-once   (one eager bf16 prefill call, for ncu)
 
 Prefill: 4096 tokens x top-16 over 112 local experts (E = El = 112: one EP rank's share after
 the all-to-all), latent 3584, moe_intermediate 3072, router input 7168. TFLOP/s count the two
@@ -13,11 +15,13 @@ Decode (T = 1, 8, 64, same experts): time of the whole op vs the time to read th
 experts' weights once at the copy bandwidth measured in this run (copy bandwidth = bytes read +
 written by a 4 GiB device-to-device copy / its time); bf16 and MXFP4 (W4A16) experts.
 Times: CUDA events, median of a few repetitions after one warm-up (weights are far larger than
-L2, so decode reads come from HBM).
+L2, so decode reads come from HBM). Prefill also lists each kernel's device time (torch.profiler,
+mean over a few calls) under kernel_ms.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -116,6 +120,23 @@ def grouped_mm_baselines(x, z, router, bias, w13, w2) -> dict:
     return {"grouped_mm_unfused_ms": time_ms(unfused, 3), "grouped_mm_gemms_ms": time_ms(gemms, 3)}
 
 
+def kernel_ms(fn, calls: int = 3) -> dict[str, float]:
+    """Device time per kernel (template arguments kept: they tell the GEMMs apart), mean per call."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = collections.defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            name = event.name.split("(")[0].replace("void ", "").replace("k3::moe::", "")
+            totals[name] += event.device_time_total / 1e3 / calls
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
 def run_op(mxfp4: bool, x, z, router, bias, experts):
     """The op as a CUDA graph replay, so decode times are the GPU's, not Python's launch
     overhead (eager if capture fails; recorded in the JSON)."""
@@ -139,8 +160,15 @@ def run_op(mxfp4: bool, x, z, router, bias, experts):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--prefill-only", action="store_true", help="skip the decode cases")
+    parser.add_argument("--profile-once", action="store_true",
+                        help="only call the bf16 prefill op once, eagerly (run under ncu)")
     args = parser.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
+    if args.profile_once:
+        torch.ops.k3.situ_moe(*inputs(PREFILL_T, g), *make_experts(False, g), *ATTRS)
+        torch.cuda.synchronize()
+        return
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "commit": os.environ.get("K3_COMMIT", "unknown"),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -154,17 +182,19 @@ def main() -> None:
         x, z, router, bias = inputs(PREFILL_T, g)
         fn, mode = run_op(mxfp4, x, z, router, bias, experts)
         entry = {"ours_ms": time_ms(fn, 3), "ours_timing": mode,
-                 "ours_router_ms": time_ms(lambda: moe_kernels.route(x, router, bias, TOP_K, 1, 1, 0, True, 1.0), 3)}
+                 "ours_router_ms": time_ms(lambda: moe_kernels.route(x, router, bias, TOP_K, 1, 1, 0, True, 1.0), 3),
+                 "kernel_ms": kernel_ms(lambda: (torch.ops.k3.situ_moe_mxfp4 if mxfp4 else torch.ops.k3.situ_moe)(
+                     x, z, router, bias, *experts, *ATTRS))}
         if not mxfp4:
             try:
                 entry.update(grouped_mm_baselines(x, z, router, bias, *experts))
             except Exception as exc:  # a missing / different torch._grouped_mm must not lose the rest
                 entry["grouped_mm_error"] = "".join(traceback.format_exception_only(exc)).strip()
-        for key in [k for k in entry if k.endswith("_ms") and k != "ours_router_ms"]:
+        for key in [k for k in entry if k.endswith("_ms") and k not in ("ours_router_ms", "kernel_ms")]:
             entry[key.replace("_ms", "_tflops")] = flops / entry[key] / 1e9
         result["prefill"][name] = entry
         print(name, "prefill", json.dumps(entry))
-        for T in DECODE_T:
+        for T in () if args.prefill_only else DECODE_T:
             x, z, router, bias = inputs(T, g)
             ids, _ = moe_kernels.route(x, router, bias, TOP_K, 1, 1, 0, True, 1.0)
             touched = int(torch.unique(ids).numel())

@@ -70,7 +70,7 @@ cudaError_t launch_decode(const Params& p, cudaStream_t stream) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
   const int items = p.num_seqs * p.num_heads;
-  kernel<<<items < sms ? items : sms, k3::kda::kRecThreads + 32, kSmem, stream>>>(p);
+  kernel<<<items < sms ? items : sms, k3::kda::kDecodeThreads + 32, kSmem, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -27,14 +27,11 @@ using k3::mla::bf16;
 
 constexpr int kTileTokens = 64;
 
-#ifndef K3_MLA_SMALL_TILE
-#define K3_MLA_SMALL_TILE 64
-#define K3_MLA_SMALL_STAGES 2
-#define K3_MLA_SMALL_CTAS 1
-#endif
-// The mma.sync kernel's KV ring: tile tokens, stages, CTAs resident per SM.
-constexpr int kSmallTile = K3_MLA_SMALL_TILE, kSmallStages = K3_MLA_SMALL_STAGES;
-constexpr int kSmallCtasPerSm = K3_MLA_SMALL_CTAS;
+// The mma.sync kernel's KV ring: 32-token tiles, 2 stages, so that a CTA needs ~103 KB of
+// shared memory and 2 CTAs share an SM (one's barriers and softmax overlap the other's
+// loads and MMAs); ahead of 64-token tiles x 2 stages and 32 x 5 stages at one CTA per SM
+// at B=256, L=8192, H=16 (bench/NOTES_mla.md, session-11 runs).
+constexpr int kSmallTile = 32, kSmallStages = 2, kSmallCtasPerSm = 2;
 
 struct SplitPlan {
   int heads_per_cta;
@@ -44,7 +41,7 @@ struct SplitPlan {
 };
 
 // Up to 16 heads: the mma.sync kernel, 16 heads per CTA (the wgmma kernel would pad them
-// to 64 rows; measured 2.59 vs 1.94 TB/s at B=64, L=8192, H=12). More heads: warpgroup
+// to 64 rows and is compute-bound there). More heads: warpgroup
 // MMAs, 64 heads per CTA, for the K3 latent (R = 512); the mma.sync kernel with 32 heads
 // per CTA for other latent widths.
 int heads_per_cta(int rank, int num_heads) {
@@ -59,17 +56,17 @@ int sm_count() {
   return sms;
 }
 
-// The key range of a CTA is split so that the grid fills whole waves (one CTA per SM:
-// each uses ~190-210 KB of shared memory). The longest possible sequence is the block
-// table's width; the cost model is waves x tokens per split, ties going to fewer splits
-// (each split costs an extra fp32 partial output and a combine pass).
+// The key range of a CTA is split so that the grid fills whole waves (wgmma kernel: one CTA
+// per SM, ~226 KB of shared memory; mma.sync kernel: two per SM). The longest possible
+// sequence is the block table's width; the cost model is waves x tokens per split, ties
+// going to fewer splits (each split costs an extra fp32 partial output and a combine pass).
 SplitPlan plan_splits(int num_tokens, int num_heads, int rank, int max_blocks, int block_size) {
   SplitPlan plan{};
   plan.heads_per_cta = heads_per_cta(rank, num_heads);
   plan.head_groups = (num_heads + plan.heads_per_cta - 1) / plan.heads_per_cta;
   const int64_t max_kv = std::max<int64_t>(1, static_cast<int64_t>(max_blocks) * block_size);
   const int64_t base = std::max<int64_t>(1, static_cast<int64_t>(num_tokens) * plan.head_groups);
-  const int64_t sms = sm_count() * (plan.heads_per_cta == 64 ? 1 : kSmallCtasPerSm);
+  const int64_t slots = sm_count() * (plan.heads_per_cta == 64 ? 1 : kSmallCtasPerSm);
   const int64_t max_splits = std::min<int64_t>(1024, (max_kv + 2 * kTileTokens - 1) / (2 * kTileTokens));
   double best_cost = 0.0;
   plan.num_splits = 1;
@@ -77,14 +74,14 @@ SplitPlan plan_splits(int num_tokens, int num_heads, int rank, int max_blocks, i
   for (int64_t s = 1; s <= std::max<int64_t>(1, max_splits); ++s) {
     const int64_t chunk = ((max_kv + s - 1) / s + kTileTokens - 1) / kTileTokens * kTileTokens;
     const int64_t splits = (max_kv + chunk - 1) / chunk;
-    const int64_t waves = (base * splits + sms - 1) / sms;
+    const int64_t waves = (base * splits + slots - 1) / slots;
     const double cost = static_cast<double>(waves) * static_cast<double>(chunk + kTileTokens);
     if (s == 1 || cost < 0.97 * best_cost) {
       best_cost = cost;
       plan.num_splits = static_cast<int>(splits);
       plan.split_tokens = static_cast<int>(chunk);
     }
-    if (base * splits >= 8 * sms) break;  // enough parallelism; more splits only add merges
+    if (base * splits >= 8 * slots) break;  // enough parallelism; more splits only add merges
   }
   return plan;
 }

@@ -6,6 +6,7 @@
 
 #include "k3/moe/decode_gemm.cuh"
 #include "k3/moe/grouped_gemm.cuh"
+#include "k3/moe/grouped_gemm_wgmma.cuh"
 #include "k3/moe/permute.cuh"
 #include "k3/moe/router.cuh"
 #include "k3/moe_api.h"
@@ -99,6 +100,14 @@ struct MoeArgs {
   cudaStream_t stream;
 };
 
+template <bool kMxfp4, int kTiles>
+void launch_decode(const MoeArgs& a, const Workspace& w, int tiles) {
+  gate_up_decode_kernel<kMxfp4, kTiles><<<dim3(tiles, a.I / kDecodeFeatures), kDecodeThreads, 0, a.stream>>>(
+      static_cast<const __nv_bfloat16*>(a.z), a.w13, w.h, w.schedule, a.L, a.I, a.act);
+  down_decode_kernel<kMxfp4, kTiles><<<dim3(tiles, a.L / kDecodeFeatures), kDecodeThreads, 0, a.stream>>>(
+      w.h, a.w2, w.acc, w.schedule, a.L, a.I);
+}
+
 template <bool kMxfp4>
 int moe_forward(const MoeArgs& a) {
   if (a.T < 0 || a.El < 1 || a.offset < 0 || a.offset + a.El > a.E) return cudaErrorInvalidValue;
@@ -117,9 +126,11 @@ int moe_forward(const MoeArgs& a) {
   cudaMemsetAsync(w.acc, 0, (size_t)a.T * a.L * sizeof(float), st);
   // Few rows per expert (at most kDecodeMaxRows on average): the weight-streaming decode GEMMs,
   // 8-row tiles when T <= 8 (no expert can get more), else 16; otherwise the tiled GEMMs, whose
-  // 64-row tiles reuse each weight tile across tokens.
+  // 128-row (wgmma) or 64-row (mma.sync, sizes the wgmma tiles do not divide) tiles reuse each
+  // weight tile across tokens.
   const bool decode = assignments <= kDecodeMaxRows * a.El;
-  const int bm = !decode ? BM : a.T <= 8 ? 8 : 16;
+  const bool wgmma = !decode && wgmma_tiles_fit(a.L, a.I);
+  const int bm = wgmma ? kWgBM : !decode ? BM : a.T <= 8 ? 8 : 16;
   const int blocks = (assignments + 255) / 256;
   count_kernel<<<blocks, 256, 0, st>>>(w.topk_ids, assignments, a.offset, a.El, s.counts);
   schedule_kernel<<<1, kScanThreads, 0, st>>>(s, a.El, bm);
@@ -129,13 +140,20 @@ int moe_forward(const MoeArgs& a) {
   // decode (T*k small) launches at most T*k tiles per column block; spare ones exit at once.
   const int tiles = max_m_tiles(assignments, a.El, bm);
   const auto* z = static_cast<const __nv_bfloat16*>(a.z);
-  const dim3 gate_up_grid(tiles, a.I / kDecodeFeatures), down_grid(tiles, a.L / kDecodeFeatures);
-  if (decode && bm == 8) {
-    gate_up_decode_kernel<kMxfp4, 1><<<gate_up_grid, kDecodeThreads, 0, st>>>(z, a.w13, w.h, s, a.L, a.I, a.act);
-    down_decode_kernel<kMxfp4, 1><<<down_grid, kDecodeThreads, 0, st>>>(w.h, a.w2, w.acc, s, a.L, a.I);
-  } else if (decode) {
-    gate_up_decode_kernel<kMxfp4, 2><<<gate_up_grid, kDecodeThreads, 0, st>>>(z, a.w13, w.h, s, a.L, a.I, a.act);
-    down_decode_kernel<kMxfp4, 2><<<down_grid, kDecodeThreads, 0, st>>>(w.h, a.w2, w.acc, s, a.L, a.I);
+  if (decode) {
+    if (bm == 8) {
+      launch_decode<kMxfp4, 1>(a, w, tiles);
+    } else {
+      launch_decode<kMxfp4, 2>(a, w, tiles);
+    }
+  } else if (wgmma) {
+    const WgParams gate_up{z, a.w13, s, a.L, a.I / (kWgBN / 2), 2 * (int64_t)a.I, a.I - kWgBN / 2, a.I, w.h, nullptr,
+                           a.act};
+    const WgParams down{w.h, a.w2, s, a.I, a.L / kWgBN, a.L, 0, a.L, nullptr, w.acc, a.act};
+    err = launch_routed_gemm_wgmma<kMxfp4, true>(gate_up, tiles, st);
+    if (err != cudaSuccess) return err;
+    err = launch_routed_gemm_wgmma<kMxfp4, false>(down, tiles, st);
+    if (err != cudaSuccess) return err;
   } else {
     gate_up_kernel<kMxfp4><<<dim3(tiles, a.I / BN), kGemmThreads, 0, st>>>(z, a.w13, w.h, s, a.L, a.I, a.act);
     down_kernel<kMxfp4><<<dim3(tiles, a.L / BN), kGemmThreads, 0, st>>>(w.h, a.w2, w.acc, s, a.L, a.I);

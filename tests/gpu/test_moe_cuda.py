@@ -38,8 +38,14 @@ CASES = {
     "plain": (8, 8, 0, 3, 1, 1, 0, 1, 1.0, 1, 2.0, 4.0, 64, 64, 96),
     "grouped_softmax": (16, 16, 0, 4, 4, 2, 1, 1, 1.5, 1, 1.5, 0.0, 64, 64, 80),
     "ep_shard_silu": (16, 6, 5, 4, 1, 1, 0, 0, 2.5, 0, 1.0, 0.0, 128, 192, 64),
+    # sizes the warpgroup-MMA prefill GEMMs take (L % 256 == 0, I % 128 == 0): two weight tiles
+    # per expert in both GEMMs; and a down GEMM of 2 k-steps, fewer than its pipeline depth
+    "wgmma_tiles": (16, 16, 0, 4, 1, 1, 0, 1, 1.0, 1, 2.0, 4.0, 512, 256, 64),
+    "wgmma_ep_silu_short_k": (16, 6, 5, 4, 1, 1, 0, 0, 2.5, 0, 1.0, 0.0, 256, 128, 64),
 }
 K3_CASE = (896, 112, 224, 16, 1, 1, 0, 1, 1.0, 1, 2.0, 4.0, 3584, 3072, 7168)
+# One EP rank's share after the all-to-all (bench/moe_bench.py's shape): all 112 experts local.
+K3_RANK_CASE = (112, 112, 0, 16, 1, 1, 0, 1, 1.0, 1, 2.0, 4.0, 3584, 3072, 7168)
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +117,9 @@ def check_selection(cuda_moe, inputs, attrs):
 
 
 # T*k <= 16 * local experts takes the decode GEMMs (16-row tiles), above it the tiled GEMMs:
-# 1 and 7 decode; 40 decode for "plain" and "grouped_softmax" with experts over 16 rows (several
-# decode tiles), tiled for "ep_shard_silu"; 300 tiled everywhere.
+# 1 and 7 decode; 40 decode for "plain", "grouped_softmax" and "wgmma_tiles" with experts over 16
+# rows (several decode tiles), tiled for the EP shards; 300 tiled everywhere. The "wgmma_*"
+# cases' tiled GEMMs are the warpgroup-MMA ones, the others' the mma.sync ones.
 @pytest.mark.parametrize("mxfp4", [False, True], ids=["bf16", "mxfp4"])
 @pytest.mark.parametrize("T", [1, 7, 40, 300])
 @pytest.mark.parametrize("name", list(CASES))
@@ -121,12 +128,21 @@ def test_tiny_moe_matches_the_reference(cuda_moe, name, T, mxfp4):
 
 
 @pytest.mark.parametrize("T", [7, 300])
-def test_mxfp4_scales_beyond_one_bf16_factor(cuda_moe, T):
+@pytest.mark.parametrize("name", ["plain", "wgmma_tiles"])
+def test_mxfp4_scales_beyond_one_bf16_factor(cuda_moe, name, T):
     """Scale bytes above 128 (2^(b-1) is no bf16): the kernels dequantise in two steps."""
     gain = 2.0 ** 12
-    scale_bytes = make_inputs(CASES["plain"], T, True, seed=T, gain=gain)[5]
+    scale_bytes = make_inputs(CASES[name], T, True, seed=T, gain=gain)[5]
     assert int(scale_bytes.min()) > 128
-    check_against_reference(cuda_moe, CASES["plain"], T, True, gain=gain)
+    check_against_reference(cuda_moe, CASES[name], T, True, gain=gain)
+
+
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["bf16", "mxfp4"])
+@pytest.mark.parametrize("name", ["wgmma_tiles", "wgmma_ep_silu_short_k"])
+def test_prefill_tiles_match_the_reference(cuda_moe, name, mxfp4):
+    """~275 rows per local expert: two full 128-row tiles and a partial one whose second
+    64-row half is empty, so tile order, row masking and the idle warpgroup all show."""
+    check_against_reference(cuda_moe, CASES[name], 1100, mxfp4)
 
 
 def check_against_reference(cuda_moe, case, T, mxfp4, gain=1.0):
@@ -220,3 +236,30 @@ def test_trt_plugin_matches_the_reference(cuda_moe, mxfp4):
     assert rel_err(out, ref) < TOL
     E, El, L, I = case[0], case[1], case[12], case[13]
     assert ws == cuda_moe._LIB.k3_moe_workspace_size(T, E, attrs[1], El, L, I) > 0
+
+
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["bf16", "mxfp4"])
+def test_k3_dims_prefill_matches_the_reference(cuda_moe, mxfp4):
+    """K3 sizes in the prefill GEMMs: 1024 tokens top-16 over one rank's 112 experts (~146 rows
+    each: a full and a partial 128-row tile), latent 3584, I 3072. Reference: naive.route on
+    CPU, then naive.routed_experts in fp32 on the GPU (cuBLAS with TF32 off; fp32 products of
+    the same bf16 operands, so the module's 2e-3 bound holds). On the CPU the 1 TFLOP of
+    reference GEMMs over 7.4 GB of weights would take minutes."""
+    from k3_trtllm.ops.moe import naive
+    from k3_trtllm.ops.moe.mxfp4 import dequantize_mxfp4
+    case, T = K3_RANK_CASE, 1024
+    attrs = attrs_of(case)
+    dev = make_inputs(case, T, mxfp4, seed=5, device="cuda")
+    ref_ids, ref_w = check_selection(cuda_moe, dev, attrs)
+    op = torch.ops.k3.situ_moe_mxfp4 if mxfp4 else torch.ops.k3.situ_moe
+    out = op(*dev, *attrs)
+    w13, w2 = (dequantize_mxfp4(*dev[4:6]), dequantize_mxfp4(*dev[6:8])) if mxfp4 else dev[4:6]
+    allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        ref = naive.routed_experts(dev[1], ref_ids.cuda(), ref_w.cuda(), w13, w2, 0, *attrs[8:11])
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    err = rel_err(out, ref)
+    print(f"K3 prefill {'mxfp4' if mxfp4 else 'bf16'}: rel err {err:.2e}")
+    assert err < TOL

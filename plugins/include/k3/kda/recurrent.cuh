@@ -16,7 +16,9 @@
 // ring of shared-memory stages with bulk copies (cp.async.bulk, mbarrier completion), up
 // to kStages items ahead, while 8 consumer warps update the current item in registers and
 // store it straight back to global memory. A stage is handed back as soon as the
-// consumers hold its contents in registers.
+// consumers hold its contents in registers. Measured: 2-3% faster than the per-item
+// design at B = 64-256; both are bound by the per-item work, not by the memory pattern (a
+// state-only copy in the same pattern reaches 97% of the copy rate), see bench/NOTES_kda.md.
 #pragma once
 
 #include "k3/kda/params.cuh"
@@ -24,29 +26,30 @@
 namespace k3 {
 namespace kda {
 
-constexpr int kRecThreads = 256;
-constexpr int kRecWarps = kRecThreads / 32;
+constexpr int kRecThreads = 256;     // recurrent_kernel
+constexpr int kDecodeThreads = 256;  // decode_kernel's consumer threads (plus a producer warp)
 
 template <int N> struct FloatVec;
 template <> struct FloatVec<1> { using T = float; };
 template <> struct FloatVec<2> { using T = float2; };
 template <> struct FloatVec<4> { using T = float4; };
 
-// Thread layout of the D x D state over 256 threads: warp w holds key rows
+// Thread layout of the D x D state over NT threads: warp w holds key rows
 // [w·RK, (w+1)·RK), lane l holds value columns [l·VPL, (l+1)·VPL).
-template <int D>
+template <int D, int NT>
 struct StateTile {
-  static constexpr int RK = D / kRecWarps;
+  static constexpr int kWarps = NT / 32;
+  static constexpr int RK = D / kWarps;
   static constexpr int VPL = D / 32;
-  static constexpr int kChanIters = (3 * D + kRecThreads - 1) / kRecThreads;
+  static constexpr int kChanIters = (3 * D + NT - 1) / NT;
   using Vec = typename FloatVec<VPL>::T;
 };
 
 // Shared scratch of one token step.
-template <int D>
+template <int D, int NT>
 struct StepScratch {
   float q[D], k[D], v[D], alpha[D];
-  float red[2][kRecWarps][D];
+  float red[2][NT / 32][D];
   float norm[2];
   float beta;
 };
@@ -66,20 +69,20 @@ __device__ __forceinline__ float conv_step(float (&hist)[W - 1], const float* w,
 }
 
 // Destination of conv channel c (0..3D-1: q, k, v of the head) in the scratch.
-template <int D>
-__device__ __forceinline__ float* conv_dst(StepScratch<D>& sm, int c) {
+template <int D, int NT>
+__device__ __forceinline__ float* conv_dst(StepScratch<D, NT>& sm, int c) {
   return c < D ? sm.q : (c < 2 * D ? sm.k : sm.v);
 }
 
 // Everything of one token after q, k, v (conv outputs), alpha and beta are in the scratch:
-// l2 norms, decay, delta rule, output. `sync` is the barrier of the 256 threads.
-template <int D, class Sync>
+// l2 norms, decay, delta rule, output. Threads 0..NT-1; `sync` is their barrier.
+template <int D, int NT, class Sync>
 __device__ __forceinline__ void delta_rule_step(
-    float (&S)[StateTile<D>::RK][StateTile<D>::VPL], StepScratch<D>& sm, __nv_bfloat16* out,
-    Sync sync) {
-  using Tile = StateTile<D>;
+    float (&S)[StateTile<D, NT>::RK][StateTile<D, NT>::VPL], StepScratch<D, NT>& sm,
+    __nv_bfloat16* out, Sync sync) {
+  using Tile = StateTile<D, NT>;
   constexpr int RK = Tile::RK, VPL = Tile::VPL;
-  const int tid = threadIdx.x % kRecThreads, warp = tid / 32, lane = tid % 32;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int k0 = warp * RK, v0 = lane * VPL;
   sync();
   if (warp < 2) {  // warp 0: |q|^2, warp 1: |k|^2
@@ -115,7 +118,7 @@ __device__ __forceinline__ void delta_rule_step(
   for (int j = 0; j < VPL; ++j) {
     float pred = 0.f;
 #pragma unroll
-    for (int w = 0; w < kRecWarps; ++w) pred += sm.red[0][w][v0 + j];
+    for (int w = 0; w < Tile::kWarps; ++w) pred += sm.red[0][w][v0 + j];
     u[j] = beta * (sm.v[v0 + j] - pred);
   }
 #pragma unroll
@@ -132,7 +135,7 @@ __device__ __forceinline__ void delta_rule_step(
   if (tid < D) {
     float o = 0.f;
 #pragma unroll
-    for (int w = 0; w < kRecWarps; ++w) o += sm.red[1][w][tid];
+    for (int w = 0; w < Tile::kWarps; ++w) o += sm.red[1][w][tid];
     out[tid] = __float2bfloat16_rn(o);
   }
 }
@@ -143,11 +146,11 @@ struct CtaSync {
 
 template <int D, int W>
 __global__ void __launch_bounds__(kRecThreads, 2) recurrent_kernel(Params p) {
-  using Tile = StateTile<D>;
+  using Tile = StateTile<D, kRecThreads>;
   constexpr int RK = Tile::RK, VPL = Tile::VPL, kChanIters = Tile::kChanIters;
   using Vec = typename Tile::Vec;
 
-  __shared__ StepScratch<D> sm;
+  __shared__ StepScratch<D, kRecThreads> sm;
 
   const int b = blockIdx.x, h = blockIdx.y;
   const int H = p.num_heads, P = H * D, P3 = 3 * P;
@@ -196,7 +199,7 @@ __global__ void __launch_bounds__(kRecThreads, 2) recurrent_kernel(Params p) {
       sm.alpha[threadIdx.x] = expf(decay_gate(z, a_h, p.lower_bound));
     }
     if (threadIdx.x == 0) sm.beta = sigmoid(__bfloat162float(p.beta[(int64_t)t * H + h]));
-    delta_rule_step<D>(S, sm, p.out + (int64_t)t * P + h * D, CtaSync{});
+    delta_rule_step<D, kRecThreads>(S, sm, p.out + (int64_t)t * P + h * D, CtaSync{});
   }
 
 #pragma unroll
@@ -250,37 +253,21 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
       ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
 
-#ifndef K3_KDA_DECODE_HINTS
-#define K3_KDA_DECODE_HINTS 1
-#endif
-
-// The states are read and written once per call: with K3_KDA_DECODE_HINTS their bulk loads
-// carry an L2 evict-first policy and their stores are streaming (st.global.cs), so they do
-// not push out the weights that every item re-reads.
+// The states are read and written once per call: their bulk loads carry an L2 evict-first
+// policy and their stores are streaming (st.global.cs). Measured: a build with 512 consumer
+// threads ran at half the speed without both hints (bench/NOTES_kda.md).
 __device__ __forceinline__ void bulk_load_state(void* dst, const void* src, uint32_t bytes,
                                                 uint64_t* bar) {
-#if K3_KDA_DECODE_HINTS
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
       " [%0], [%1], %2, [%3], %4;" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes),
       "r"(smem_addr(bar)), "l"(policy) : "memory");
-#else
-  bulk_load(dst, src, bytes, bar);
-#endif
 }
 
-template <class Vec>
-__device__ __forceinline__ void store_state(Vec* dst, const Vec& x) {
-#if K3_KDA_DECODE_HINTS
-  __stcs(dst, x);
-#else
-  *dst = x;
-#endif
-}
-
-// One stage of the ring: what the producer copies for one item, byte offsets.
+// One stage of the ring: what the producer copies for one item, byte offsets. As many
+// stages (up to 4) as fit next to the step scratch in the 227 KB of a CTA.
 template <int D, int W>
 struct DecodeStage {
   static constexpr int STATE = 0;                           // [D][D] fp32
@@ -288,10 +275,13 @@ struct DecodeStage {
   static constexpr int GATE = QKV + 3 * D * 2;              // [D] bf16, first token
   static constexpr int CONV = GATE + D * 2;                 // [3][D][W-1] bf16
   static constexpr int BYTES = CONV + 3 * D * (W - 1) * 2;  // every part a multiple of 16
-  static constexpr int kStages = BYTES * 4 <= 215 * 1024 ? 4 : 215 * 1024 / BYTES;
+  static constexpr int kBudget = 227 * 1024 - (int)sizeof(StepScratch<D, kDecodeThreads>) - 256;
+  static constexpr int kStages = BYTES * 4 <= kBudget ? 4 : kBudget / BYTES;
   static constexpr int SMEM = kStages * BYTES;
   static_assert(kStages >= 2, "two stages fit in shared memory");
 };
+
+constexpr int kStateChunk = 4096;  // floats per bulk copy of a state
 
 // Per-item values the producer passes with a stage.
 struct StageMeta {
@@ -301,16 +291,16 @@ struct StageMeta {
 
 // This thread's conv weights (kChanIters channels x W taps), dt_bias and A_log of head h:
 // fetched one item ahead, since they depend only on the head.
-template <int D, int W>
+template <int D, int W, int NT>
 struct HeadParams {
-  float w[StateTile<D>::kChanIters][W];
+  float w[StateTile<D, NT>::kChanIters][W];
   float dt_bias, a_log;
 
   __device__ __forceinline__ void load(const Params& p, int h) {
     const int P = p.num_heads * D, tid = threadIdx.x;
 #pragma unroll
-    for (int it = 0; it < StateTile<D>::kChanIters; ++it) {
-      const int c = tid + it * kRecThreads;
+    for (int it = 0; it < StateTile<D, NT>::kChanIters; ++it) {
+      const int c = tid + it * NT;
       const int ch = c < 3 * D ? (c / D) * P + h * D + c % D : 0;
 #pragma unroll
       for (int j = 0; j < W; ++j) w[it][j] = p.conv_weight[(int64_t)ch * W + j];
@@ -320,20 +310,23 @@ struct HeadParams {
   }
 };
 
-struct ConsumerSync {  // named barrier 1: the 256 consumer threads, not the producer warp
-  __device__ void operator()() const { asm volatile("bar.sync 1, %0;" ::"n"(kRecThreads) : "memory"); }
+struct ConsumerSync {  // named barrier 1: the consumer threads, not the producer warp
+  __device__ void operator()() const {
+    asm volatile("bar.sync 1, %0;" ::"n"(kDecodeThreads) : "memory");
+  }
 };
 
 template <int D, int W>
-__global__ void __launch_bounds__(kRecThreads + 32, 1) decode_kernel(Params p) {
-  using Tile = StateTile<D>;
+__global__ void __launch_bounds__(kDecodeThreads + 32, 1) decode_kernel(Params p) {
+  constexpr int NT = kDecodeThreads, kConsumerWarps = NT / 32;
+  using Tile = StateTile<D, NT>;
   using Stage = DecodeStage<D, W>;
   constexpr int RK = Tile::RK, VPL = Tile::VPL, kChanIters = Tile::kChanIters;
   constexpr int NS = Stage::kStages;
   using Vec = typename Tile::Vec;
 
   extern __shared__ __align__(128) unsigned char ring[];
-  __shared__ StepScratch<D> sm;
+  __shared__ StepScratch<D, NT> sm;
   __shared__ StageMeta meta[NS];
   __shared__ __align__(8) uint64_t full[NS], empty[NS];
 
@@ -344,13 +337,13 @@ __global__ void __launch_bounds__(kRecThreads + 32, 1) decode_kernel(Params p) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < NS; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kRecWarps);
+      mbar_init(&empty[s], kConsumerWarps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
 
-  if (warp == kRecWarps) {
+  if (warp == kConsumerWarps) {
     // Producer. Lanes 0-3 fetch the next item's cu_seqlens[b], cu_seqlens[b+1], slot and
     // initial-state flag one item ahead; lane 0 issues the copies.
     auto fetch = [&](int item) {
@@ -374,8 +367,10 @@ __global__ void __launch_bounds__(kRecThreads + 32, 1) decode_kernel(Params p) {
       if (eos > bos) {
         mbar_expect_tx(&full[s], 4 * D * 2 + (continues ? D * D * 4 + 3 * D * (W - 1) * 2 : 0));
         if (continues) {
-          bulk_load_state(st + Stage::STATE, p.recurrent_state + ((int64_t)slot * H + h) * D * D,
-                          D * D * 4, &full[s]);
+          const float* src = p.recurrent_state + ((int64_t)slot * H + h) * D * D;
+          for (int off = 0; off < D * D; off += kStateChunk)  // 16 KiB per copy
+            bulk_load_state(st + Stage::STATE + off * 4, src + off,
+                            (D * D < kStateChunk ? D * D : kStateChunk) * 4, &full[s]);
         }
         const __nv_bfloat16* row = p.qkv + (int64_t)bos * P3 + h * D;
         for (int part = 0; part < 3; ++part) {
@@ -394,13 +389,13 @@ __global__ void __launch_bounds__(kRecThreads + 32, 1) decode_kernel(Params p) {
     return;
   }
 
-  // Consumers: 256 threads, the layout of StateTile.
+  // Consumers: NT threads, the layout of StateTile.
   const int tid = threadIdx.x;
   const int k0 = warp * RK, v0 = lane * VPL;
-  HeadParams<D, W> cur;
+  HeadParams<D, W, NT> cur;
   cur.load(p, blockIdx.x % H);
   for (int k = 0, item = blockIdx.x; item < total; ++k, item += gridDim.x) {
-    HeadParams<D, W> next;
+    HeadParams<D, W, NT> next;
     next.load(p, (item + gridDim.x) % H);
     const int s = k % NS, h = item % H;
     mbar_wait(&full[s], (k / NS) & 1);
@@ -416,16 +411,17 @@ __global__ void __launch_bounds__(kRecThreads + 32, 1) decode_kernel(Params p) {
       const float* st_state = reinterpret_cast<const float*>(st + Stage::STATE);
 #pragma unroll
       for (int i = 0; i < RK; ++i) {
-        Vec x = *reinterpret_cast<const Vec*>(st_state + (k0 + i) * D + v0);
+        Vec x{};  // a new sequence starts from zero (nothing was copied)
+        if (m.continues) x = *reinterpret_cast<const Vec*>(st_state + (k0 + i) * D + v0);
         const float* xf = reinterpret_cast<const float*>(&x);
 #pragma unroll
-        for (int j = 0; j < VPL; ++j) S[i][j] = m.continues ? xf[j] : 0.f;
+        for (int j = 0; j < VPL; ++j) S[i][j] = xf[j];
       }
       const __nv_bfloat16* st_qkv = reinterpret_cast<const __nv_bfloat16*>(st + Stage::QKV);
       const __nv_bfloat16* st_conv = reinterpret_cast<const __nv_bfloat16*>(st + Stage::CONV);
 #pragma unroll
       for (int it = 0; it < kChanIters; ++it) {
-        const int c = tid + it * kRecThreads;
+        const int c = tid + it * NT;
         x0[it] = c < 3 * D ? __bfloat162float(st_qkv[c]) : 0.f;
 #pragma unroll
         for (int j = 0; j < W - 1; ++j)
@@ -443,7 +439,7 @@ __global__ void __launch_bounds__(kRecThreads + 32, 1) decode_kernel(Params p) {
         const bool first = t == m.bos;
 #pragma unroll
         for (int it = 0; it < kChanIters; ++it) {
-          const int c = tid + it * kRecThreads;
+          const int c = tid + it * NT;
           if (c >= 3 * D) continue;
           const float x = first ? x0[it]
               : __bfloat162float(p.qkv[(int64_t)t * P3 + (c / D) * P + h * D + c % D]);
@@ -455,7 +451,7 @@ __global__ void __launch_bounds__(kRecThreads + 32, 1) decode_kernel(Params p) {
         }
         if (tid == 0)
           sm.beta = sigmoid(first ? m.beta : __bfloat162float(p.beta[(int64_t)t * H + h]));
-        delta_rule_step<D>(S, sm, p.out + (int64_t)t * P + h * D, ConsumerSync{});
+        delta_rule_step<D, NT>(S, sm, p.out + (int64_t)t * P + h * D, ConsumerSync{});
       }
 
       float* state = p.recurrent_state + ((int64_t)m.slot * H + h) * D * D;
@@ -465,11 +461,11 @@ __global__ void __launch_bounds__(kRecThreads + 32, 1) decode_kernel(Params p) {
         float* xf = reinterpret_cast<float*>(&x);
 #pragma unroll
         for (int j = 0; j < VPL; ++j) xf[j] = S[i][j];
-        store_state(reinterpret_cast<Vec*>(state + (k0 + i) * D + v0), x);
+        __stcs(reinterpret_cast<Vec*>(state + (k0 + i) * D + v0), x);
       }
 #pragma unroll
       for (int it = 0; it < kChanIters; ++it) {
-        const int c = tid + it * kRecThreads;
+        const int c = tid + it * NT;
         if (c >= 3 * D) continue;
         __nv_bfloat16* row = p.conv_state + ((int64_t)m.slot * P3 + (c / D) * P + h * D + c % D) * (W - 1);
 #pragma unroll

@@ -2,11 +2,12 @@
 // work split and outputs as latent_attention_kernel (one token x 64 heads x one KV split
 // per CTA, split-KV partials merged by combine_splits_kernel), on warpgroup MMAs.
 //
-// Two warpgroups; each computes the full 64x64 score tile S = Q·Kᵀ (wgmma, both operands
-// in 128B-swizzled shared memory), the fp32 online softmax in registers, and P·V for its
-// half of the 512 latent output columns with P taken straight from the score registers
-// (m64n256k16, V read transposed from the same KV tile). Computing S twice costs ~30%
-// more MMA work but needs no exchange of probabilities between the warpgroups.
+// Two warpgroups share each 64-token tile: warpgroup w computes the scores of tokens
+// 32w..32w+31 for all 64 heads (wgmma m64n32, both operands in 128B-swizzled shared
+// memory), the warpgroups exchange their row maxima through shared memory, each writes its
+// half of P (bf16) into a swizzled 64x64 tile, and each then computes P·V for its half of
+// the 512 latent output columns (m64n256k16, P and V from shared memory). Row sums stay
+// per warpgroup (both rescale with the same running maximum) and are added at the end.
 #pragma once
 
 #include <cmath>
@@ -25,7 +26,9 @@ struct WgmmaAttentionConfig {
   static constexpr int BLOCK_ELEMS = 64 * 64;   // one swizzled column block: 64 rows x 128 B
   static constexpr int TILE_ELEMS = (D / 64) * BLOCK_ELEMS;
   static constexpr size_t TILE_BYTES = size_t(TILE_ELEMS) * 2;
-  static constexpr size_t SMEM_BYTES = 3 * TILE_BYTES + 1024;  // Q + two KV stages + alignment
+  static constexpr size_t P_BYTES = size_t(BLOCK_ELEMS) * 2;   // one swizzled 64x64 bf16 tile
+  // Q + two KV stages + P + row maxima / sums of both warpgroups + alignment.
+  static constexpr size_t SMEM_BYTES = 3 * TILE_BYTES + P_BYTES + 2 * 2 * M * 4 + 1024;
   static_assert(NT == 8 * (THREADS / 32), "the tile loader gives each warp 8 rows");
 };
 
@@ -42,6 +45,9 @@ __global__ void __launch_bounds__(256, 1) latent_attention_wgmma_kernel(const La
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   bf16* s_q = reinterpret_cast<bf16*>(smem);
   bf16* s_kv = s_q + C::TILE_ELEMS;
+  bf16* s_p = s_kv + 2 * C::TILE_ELEMS;
+  float* s_max = reinterpret_cast<float*>(s_p + C::BLOCK_ELEMS);  // [warpgroup][head row]
+  float* s_sum = s_max + 2 * C::M;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wg = warp >> 2, wq = warp & 3;
@@ -84,7 +90,7 @@ __global__ void __launch_bounds__(256, 1) latent_attention_wgmma_kernel(const La
     if (lane < 8 && pos < kv_end) slot = __ldg(block_row + pos / p.block_size) * p.block_size + pos % p.block_size;
     bf16* dst = s_kv + stage * C::TILE_ELEMS;
 #pragma unroll
-    for (int i = 0; i < C::CHUNKS / 4; ++i) {
+    for (int i = 0; i < 8 * C::CHUNKS / 32; ++i) {
       const int chunk = 32 * i + lane, row = chunk / C::CHUNKS, ch = chunk % C::CHUNKS;
       const int row_slot = __shfl_sync(0xffffffffu, slot, row);
       const bf16* src = row_slot < 0 ? p.cache : p.cache + static_cast<int64_t>(row_slot) * C::D + ch * 8;
@@ -108,84 +114,96 @@ __global__ void __launch_bounds__(256, 1) latent_attention_wgmma_kernel(const La
     __syncthreads();
     const bf16* kv = s_kv + (it & 1) * C::TILE_ELEMS;
 
-    float s[32];
+    float s[16];  // rows 16wq+g (+8), tokens 32wg + 8j + 2cq + {0,1}
 #pragma unroll
-    for (int i = 0; i < 32; ++i) s[i] = 0.f;
+    for (int i = 0; i < 16; ++i) s[i] = 0.f;
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < C::D / 16; ++k) {
       const int off = (k >> 2) * C::BLOCK_ELEMS + (k & 3) * 16;
-      wgmma_m64n64k16_ss(s, sw128_desc(s_q + off, 16, 1024), sw128_desc(kv + off, 16, 1024), k > 0);
+      wgmma_m64n32k16_ss(s, sw128_desc(s_q + off, 16, 1024), sw128_desc(kv + off + 32 * wg * 64, 16, 1024), k > 0);
     }
     wgmma_commit();
     wgmma_wait<0>();
 
-    // Online softmax (log2 domain). This thread holds rows g, g+8 of its warp's 16 rows,
-    // columns 8j + 2cq + {0,1}; the 4 lanes of a quad share the rows.
+    // Online softmax (log2 domain); the 4 lanes of a quad share rows g and g+8.
     const int valid = kv_end - (kv_begin + it * NT);
+    float mx[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int idx = 4 * j + 2 * r + e;
+          s[idx] = 32 * wg + 8 * j + 2 * cq + e < valid ? s[idx] * p.scale_log2 : -INFINITY;
+          mx[r] = fmaxf(mx[r], s[idx]);
+        }
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+      if (cq == 0) s_max[wg * C::M + 16 * wq + g + 8 * r] = mx[r];
+    }
+    __syncthreads();
     float alpha[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int idx = 4 * j + 2 * r + e;
-          s[idx] = 8 * j + 2 * cq + e < valid ? s[idx] * p.scale_log2 : -INFINITY;
-          mx = fmaxf(mx, s[idx]);
-        }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_run[r], mx);
-      alpha[r] = m_run[r] == -INFINITY ? 0.f : exp2f(m_run[r] - m_new);
+      const int row = 16 * wq + g + 8 * r;
+      // Both warpgroups form the same maximum; token 0 of a tile is always valid.
+      const float m_new = fmaxf(m_run[r], fmaxf(mx[r], s_max[(wg ^ 1) * C::M + row]));
+      alpha[r] = m_run[r] == -INFINITY ? 0.f : fast_exp2(m_run[r] - m_new);
       float sum = 0.f;
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
+      for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int idx = 4 * j + 2 * r + e;
-          s[idx] = s[idx] == -INFINITY ? 0.f : exp2f(s[idx] - m_new);
+          s[idx] = s[idx] == -INFINITY ? 0.f : fast_exp2(s[idx] - m_new);
           sum += s[idx];
         }
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       l_run[r] = l_run[r] * alpha[r] + sum;
       m_run[r] = m_new;
+      // P row `row`, tokens 32wg + 8j + 2cq: 16-byte chunk 4wg + j of the swizzled tile.
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        *reinterpret_cast<uint32_t*>(s_p + row * 64 + (((4 * wg + j) ^ (row & 7)) << 3) + 2 * cq) =
+            pack_bf16(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]);
     }
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
       o[4 * j] *= alpha[0]; o[4 * j + 1] *= alpha[0];
       o[4 * j + 2] *= alpha[1]; o[4 * j + 3] *= alpha[1];
     }
-    // Score accumulators of tokens 16kk..16kk+15 are exactly the A fragment of k-step kk.
-    uint32_t pf[4][4];
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      pf[kk][0] = pack_bf16(s[8 * kk + 0], s[8 * kk + 1]);
-      pf[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
-      pf[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
-      pf[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
-    }
+    fence_proxy_async();  // P, written by st.shared, is read by wgmma next
+    __syncthreads();
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       // V = c_kv columns [256 wg, 256 wg + 256): column blocks 4wg..4wg+3 (8192 B apart),
       // tokens 16kk.. (8-token groups 1024 B apart).
-      wgmma_m64n256k16_rs_mn(o, pf[kk], sw128_desc(kv + 4 * wg * C::BLOCK_ELEMS + kk * 16 * 64, 8192, 1024));
+      wgmma_m64n256k16_ss_mn(o, sw128_desc(s_p + kk * 16, 16, 1024),
+                             sw128_desc(kv + 4 * wg * C::BLOCK_ELEMS + kk * 16 * 64, 8192, 1024));
     }
     wgmma_commit();
     wgmma_wait<0>();
-    __syncthreads();  // both warpgroups are done with this stage before it is refilled
+    __syncthreads();  // both warpgroups are done with this stage, P and s_max before reuse
   }
   cp_async_wait<0>();
+
+  if (cq == 0) {
+    s_sum[wg * C::M + 16 * wq + g] = l_run[0];
+    s_sum[wg * C::M + 16 * wq + g + 8] = l_run[1];
+  }
+  __syncthreads();
 
   const int64_t rows = static_cast<int64_t>(p.num_tokens) * p.num_heads;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int head = head0 + 16 * wq + g + 8 * r;
+    const int row = 16 * wq + g + 8 * r, head = head0 + row;
     if (head >= p.num_heads) continue;
-    const float l = l_run[r];
+    const float l = s_sum[row] + s_sum[C::M + row];
     const float inv = l > 0.f ? 1.f / l : 0.f;
     const int64_t out_row = static_cast<int64_t>(token) * p.num_heads + head;
     if (p.num_splits > 1 && wg == 0 && cq == 0)

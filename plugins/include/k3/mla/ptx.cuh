@@ -1,8 +1,8 @@
-// Warp-level building blocks for the MLA kernels (sm_80+ instructions, used on sm_90):
-// cp.async copies into shared memory, ldmatrix fragment loads and the bf16 m16n8k16
-// tensor-core MMA with fp32 accumulators. Fragment layouts follow the PTX ISA
-// ("Matrix Fragments for mma.m16n8k16"): lane = 4*g + c holds rows g and g+8, columns
-// 2c, 2c+1 (+8) of A and C, and k rows 2c, 2c+1 (+8) of B column g.
+// Warp-level building blocks for the MLA kernels: cp.async copies into shared memory,
+// ldmatrix fragment loads and the bf16 m16n8k16 tensor-core MMA with fp32 accumulators
+// (sm_80+), plus mbarriers and bulk global->shared copies (sm_90). Fragment layouts follow
+// the PTX ISA ("Matrix Fragments for mma.m16n8k16"): lane = 4*g + c holds rows g and g+8,
+// columns 2c, 2c+1 (+8) of A and C, and k rows 2c, 2c+1 (+8) of B column g.
 #pragma once
 
 #include <cstdint>
