@@ -35,7 +35,8 @@ def main(src: str = "bench/results/moe_h200.json", dst: str = "bench/results/moe
     right.set_xscale("log", base=2)
     right.set_xlabel("tokens")
     right.set_ylabel("% of copy bandwidth (touched expert weights)")
-    right.set_title(f"decode (copy {r['copy_bandwidth_GBps'] / 1000:.2f} TB/s same run)", fontsize=9)
+    copy = r.get("decode_copy_bandwidth_GBps", r["copy_bandwidth_GBps"])  # a merged file keeps the decode run's own
+    right.set_title(f"decode (copy {copy / 1000:.2f} TB/s same run)", fontsize=9)
     right.legend(fontsize=8)
     fig.suptitle(f"SiTU latent MoE, {r['device']}, {r['date'][:10]}, {r.get('commit', '')[:12]}", fontsize=10)
     fig.tight_layout()
