@@ -1,6 +1,7 @@
 """Where the decode-sized SiTU-MoE op spends its time: device time per kernel (torch.profiler's
-CUDA activity records) for T = 1, 8, 64 tokens, bf16 and MXFP4 experts, at the bench shape
-(bench/moe_bench.py: 112 local experts, top-16, latent 3584, moe_intermediate 3072).
+CUDA activity records, moe_bench.kernel_ms) for T = 1, 8, 64 tokens, bf16 and MXFP4 experts,
+at the bench shape (bench/moe_bench.py: 112 local experts, top-16, latent 3584,
+moe_intermediate 3072).
 
     python3 bench/moe_kernel_breakdown.py --out DIR      (writes DIR/moe_kernel_breakdown.json)
 
@@ -10,14 +11,12 @@ given as bytes of the touched experts' matrix / time (w13 for gate_up, w2 for do
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import sys
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -26,21 +25,6 @@ sys.path.insert(0, str(ROOT))
 import moe_bench as mb  # noqa: E402
 
 CALLS = 20
-
-
-def kernel_times(fn) -> dict[str, float]:
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(CALLS):
-            fn()
-        torch.cuda.synchronize()
-    totals: dict[str, float] = collections.defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            name = event.name.split("<")[0].split("(")[0].replace("void ", "").replace("k3::moe::", "")
-            totals[name] += event.device_time_total / 1e3  # ms
-    return {name: ms / CALLS for name, ms in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
 def main() -> None:
@@ -58,7 +42,7 @@ def main() -> None:
             ids, _ = mb.moe_kernels.route(x, router, bias, mb.TOP_K, 1, 1, 0, True, 1.0)
             touched = int(torch.unique(ids).numel())
             op = torch.ops.k3.situ_moe_mxfp4 if mxfp4 else torch.ops.k3.situ_moe
-            times = kernel_times(lambda: op(x, z, router, bias, *experts, *mb.ATTRS))
+            times = mb.kernel_ms(lambda: op(x, z, router, bias, *experts, *mb.ATTRS), CALLS)
             gbps = {}
             for name, ms in times.items():
                 share = 2 / 3 if name.startswith("gate_up") else 1 / 3 if name.startswith("down") else 0

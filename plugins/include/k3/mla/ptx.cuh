@@ -1,12 +1,15 @@
 // Warp-level building blocks for the MLA kernels: cp.async copies into shared memory,
 // ldmatrix fragment loads and the bf16 m16n8k16 tensor-core MMA with fp32 accumulators
-// (sm_80+), plus mbarriers and bulk global->shared copies (sm_90). Fragment layouts follow
-// the PTX ISA ("Matrix Fragments for mma.m16n8k16"): lane = 4*g + c holds rows g and g+8,
-// columns 2c, 2c+1 (+8) of A and C, and k rows 2c, 2c+1 (+8) of B column g.
+// (sm_80+), plus bulk global->shared copies completing on mbarriers (sm_90; the barriers
+// themselves are in common/mbarrier.cuh). Fragment layouts follow the PTX ISA ("Matrix
+// Fragments for mma.m16n8k16"): lane = 4*g + c holds rows g and g+8, columns 2c, 2c+1 (+8)
+// of A and C, and k rows 2c, 2c+1 (+8) of B column g.
 #pragma once
 
 #include <cstdint>
 #include <cuda_bf16.h>
+
+#include "../common/mbarrier.cuh"
 
 namespace k3::mla {
 
@@ -56,36 +59,6 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// mbarrier (sm_90): phase-tracked shared-memory barriers that bulk copies complete on.
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t arrivals) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(arrivals) : "memory");
-}
-
-// Makes mbarrier.init visible to the async proxy (the bulk-copy engine) before first use.
-__device__ __forceinline__ void fence_mbar_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
-
-// Arrives and announces `bytes` of bulk copies that must land before the phase completes.
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
-               : "memory");
-}
-
-// Spins until the phase with this parity (0 for the 1st, 3rd, ... completion) has completed.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n}\n" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
 }
 
 // Bulk copy (copy engine, no registers) of `bytes` (a multiple of 16, both addresses 16-B

@@ -166,6 +166,24 @@ __device__ __forceinline__ DecodeOperands<kMats, kTiles> decode_operands(const E
   return op;
 }
 
+// The rest of a kernel's operands: the MXFP4 table (filled by the whole CTA) and the lane's
+// activation rows, row_of(sorted row) for the tile's rows r (and 8+r), nullptr past its end.
+template <bool kMxfp4, int kMats, int kTiles, typename RowOf>
+__device__ __forceinline__ void attach_table_and_rows(DecodeOperands<kMats, kTiles>& op, uint32_t* table,
+                                                      const TileInfo& t, RowOf row_of) {
+  const int lane = threadIdx.x % 32;
+  if constexpr (kMxfp4) {
+    mxfp4_table_fill(table);
+    __syncthreads();
+    op.lane_table = table + lane;
+  }
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+    const int n = 8 * i + lane / 4;
+    op.x[i] = n < t.rows ? row_of(t.row0 + n) + (lane % 4) * DecodeSlab<kMxfp4>::kElems : nullptr;
+  }
+}
+
 // Accumulator element c of n tile t: feature r + 8·(c/2), tile row 8t + 2q + c%2.
 struct FragmentPos {
   int feature, row;
@@ -184,19 +202,9 @@ __global__ void __launch_bounds__(kDecodeThreads, decode_min_blocks(kTiles)) gat
   __shared__ uint32_t table[kMxfp4 ? kMxfp4TableWords : 1];
   TileInfo t;
   if (!tile_info(s, 8 * kTiles, t)) return;
-  const int lane = threadIdx.x % 32, f0 = blockIdx.y * kDecodeFeatures + threadIdx.x / 32 * 16;
+  const int f0 = blockIdx.y * kDecodeFeatures + threadIdx.x / 32 * 16;
   auto op = decode_operands<2, kMxfp4, kTiles>(w13, 2 * (int64_t)t.expert * I + f0, I, L);
-  if constexpr (kMxfp4) {
-    mxfp4_table_fill(table);
-    __syncthreads();
-    op.lane_table = table + lane;
-  }
-#pragma unroll
-  for (int i = 0; i < kTiles; ++i) {
-    const int n = 8 * i + lane / 4;
-    op.x[i] = n < t.rows ? z + (int64_t)s.sorted_token[t.row0 + n] * L + (lane % 4) * DecodeSlab<kMxfp4>::kElems
-                         : nullptr;
-  }
+  attach_table_and_rows<kMxfp4>(op, table, t, [&](int row) { return z + (int64_t)s.sorted_token[row] * L; });
   float acc[2][kTiles][4] = {};
   decode_mainloop<2, kMxfp4, kTiles>(acc, op, L / DecodeSlab<kMxfp4>::kWidth);
 #pragma unroll
@@ -218,18 +226,9 @@ __global__ void __launch_bounds__(kDecodeThreads, decode_min_blocks(kTiles)) dow
   __shared__ uint32_t table[kMxfp4 ? kMxfp4TableWords : 1];
   TileInfo t;
   if (!tile_info(s, 8 * kTiles, t)) return;
-  const int lane = threadIdx.x % 32, f0 = blockIdx.y * kDecodeFeatures + threadIdx.x / 32 * 16;
+  const int f0 = blockIdx.y * kDecodeFeatures + threadIdx.x / 32 * 16;
   auto op = decode_operands<1, kMxfp4, kTiles>(w2, (int64_t)t.expert * L + f0, 0, I);
-  if constexpr (kMxfp4) {
-    mxfp4_table_fill(table);
-    __syncthreads();
-    op.lane_table = table + lane;
-  }
-#pragma unroll
-  for (int i = 0; i < kTiles; ++i) {
-    const int n = 8 * i + lane / 4;
-    op.x[i] = n < t.rows ? h + (int64_t)(t.row0 + n) * I + (lane % 4) * DecodeSlab<kMxfp4>::kElems : nullptr;
-  }
+  attach_table_and_rows<kMxfp4>(op, table, t, [&](int row) { return h + (int64_t)row * I; });
   float acc[1][kTiles][4] = {};
   decode_mainloop<1, kMxfp4, kTiles>(acc, op, I / DecodeSlab<kMxfp4>::kWidth);
 #pragma unroll

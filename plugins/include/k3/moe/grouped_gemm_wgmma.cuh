@@ -20,6 +20,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "../common/mbarrier.cuh"
 #include "grouped_gemm.cuh"
 #include "mxfp4.cuh"
 #include "permute.cuh"
@@ -66,27 +67,6 @@ __device__ __forceinline__ void wg_setmaxnreg_dec() {
 template <int kRegs>
 __device__ __forceinline__ void wg_setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
-}
-
-__device__ __forceinline__ void wg_mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void wg_mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
-// One arrival on the barrier once all of this thread's earlier cp.async copies have landed (the
-// barrier's count includes it), without blocking the thread.
-__device__ __forceinline__ void wg_cp_async_arrive(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
-// Spins until the phase of this parity has completed (parity 1 of a fresh barrier: at once).
-__device__ __forceinline__ void wg_mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nWG_WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WG_WAIT_%=;\n}\n" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
 }
 
 // d (64 x 256 fp32) = (accumulate ? d : 0) + A (64 x 16, smem) · B (256 x 16, smem)ᵀ, both K-major.
@@ -206,7 +186,7 @@ __device__ __forceinline__ void wg_produce(const WgParams& p, const WgTile& t, _
     }
     if (kt < nk) {
       const int st = kt % kWgStages;
-      if (kt >= kWgStages) wg_mbar_wait(&empty[st], (kt / kWgStages - 1) & 1);
+      if (kt >= kWgStages) mbar_wait(&empty[st], (kt / kWgStages - 1) & 1);
       const int k0 = kt * kWgBK;
       __nv_bfloat16* a_dst = sa + st * (kWgBM * kWgBK);
 #pragma unroll
@@ -228,7 +208,7 @@ __device__ __forceinline__ void wg_produce(const WgParams& p, const WgTile& t, _
           const int r = r8 + 16 * i;
           cp_async16(b_dst + wg_swizzle(r, chunk), b_src + (r + (i >= 8 ? p.mat_gap : 0)) * (int64_t)K + k0, 16);
         }
-        wg_cp_async_arrive(&full[st]);
+        mbar_cp_async_arrive(&full[st]);
       }
     }
     if constexpr (kMxfp4) {
@@ -252,7 +232,7 @@ __device__ __forceinline__ void wg_produce(const WgParams& p, const WgTile& t, _
           *reinterpret_cast<uint4*>(b_dst + wg_swizzle(r, 4 * half + m)) = make_uint4(v[0], v[1], v[2], v[3]);
         }
       }
-      wg_mbar_arrive(&full[j % kWgStages]);  // release: the consumers fence before their MMAs read
+      mbar_arrive(&full[j % kWgStages]);  // release: the consumers fence before their MMAs read
     }
   }
 }
@@ -273,7 +253,7 @@ __device__ __forceinline__ void wg_consume(float (&acc)[128], int cw, int nk, co
   wg_fence_operand(acc);
   for (int kt = 0; kt < nk; ++kt) {
     const int st = kt % kWgStages;
-    wg_mbar_wait(&full[st], (kt / kWgStages) & 1);
+    mbar_wait(&full[st], (kt / kWgStages) & 1);
     // MXFP4: the producer wrote the bf16 weights with ordinary stores. (A fence in the producer
     // would also wait for its copies still in flight for later stages.)
     if constexpr (kMxfp4) wg_fence_proxy();
@@ -284,7 +264,7 @@ __device__ __forceinline__ void wg_consume(float (&acc)[128], int cw, int nk, co
     for (int ks = 0; ks < kWgBK / 16; ++ks) wgmma_m64n256k16(acc, wg_desc(a + ks * 16), wg_desc(b + ks * 16), 1);
     wg_commit();
     wg_wait<1>();  // the MMAs of k-step kt-1 have retired: release its stage
-    if (kt > 0 && lane == 0) wg_mbar_arrive(&empty[(kt - 1) % kWgStages]);
+    if (kt > 0 && lane == 0) mbar_arrive(&empty[(kt - 1) % kWgStages]);
   }
   wg_wait<0>();
   wg_fence_operand(acc);
@@ -303,8 +283,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) routed_gemm_wgmma_kernel(const 
   uint64_t *full = bars, *empty = bars + kWgStages;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kWgStages; ++s) {
-      wg_mbar_init(&full[s], 128);  // every producer thread
-      wg_mbar_init(&empty[s], 8);   // every consumer warp
+      mbar_init(&full[s], 128);  // every producer thread
+      mbar_init(&empty[s], 8);   // every consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
