@@ -7,7 +7,6 @@
 #                                               sources as they are); the first is the one
 #                                               tested (MLA_TEST_ALL=1: every variant)
 #   MLA_BASELINE=path/to/libk3_kernels.so       a prebuilt library benchmarked as "baseline"
-#                                               (not .carry/libk3_mla.so: an experimental build that hangs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp/mla_out}"
