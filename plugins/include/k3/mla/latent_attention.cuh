@@ -36,6 +36,33 @@ struct LatentAttentionParams {
   float scale_log2;                           // softmax_scale * log2(e)
 };
 
+// The work of one CTA, shared by both attention kernels: blockIdx.x =
+// (token · num_splits + split) · head_groups + head_group; the token's sequence (the last b
+// with cu_seqlens[b] <= token, so empty sequences are skipped) and its causal key range
+// inside this split, in tiles of tile_tokens.
+struct CtaWork {
+  int head_group, split, token, seq, kv_begin, kv_end, n_tiles;
+};
+
+__device__ __forceinline__ CtaWork cta_work(const LatentAttentionParams& p, int tile_tokens) {
+  CtaWork w;
+  w.head_group = blockIdx.x % p.head_groups;
+  const int rest = blockIdx.x / p.head_groups;
+  w.split = rest % p.num_splits;
+  w.token = rest / p.num_splits;
+  int lo = 0, hi = p.num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (__ldg(p.cu_seqlens + mid) <= w.token) lo = mid; else hi = mid - 1;
+  }
+  w.seq = lo;
+  const int position = __ldg(p.context_lens + w.seq) + w.token - __ldg(p.cu_seqlens + w.seq);
+  w.kv_begin = w.split * p.split_tokens;
+  w.kv_end = min(position + 1, w.kv_begin + p.split_tokens);
+  w.n_tiles = w.kv_end > w.kv_begin ? (w.kv_end - w.kv_begin + tile_tokens - 1) / tile_tokens : 0;
+  return w;
+}
+
 template <int R, int DR, int MT, int NT_, int STAGES_>
 struct LatentAttentionConfig {
   static constexpr int D = R + DR;
@@ -88,23 +115,10 @@ __global__ void __launch_bounds__(LatentAttentionConfig<R, DR, MT, NT, STAGES>::
   float* s_l = s_m + M;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int head_group = blockIdx.x % p.head_groups;
-  const int rest = blockIdx.x / p.head_groups;
-  const int split = rest % p.num_splits;
-  const int token = rest / p.num_splits;
-
-  // Sequence of this token: the last b with cu_seqlens[b] <= token (skips empty sequences).
-  int lo = 0, hi = p.num_seqs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (__ldg(p.cu_seqlens + mid) <= token) lo = mid; else hi = mid - 1;
-  }
-  const int seq = lo;
-  const int position = __ldg(p.context_lens + seq) + token - __ldg(p.cu_seqlens + seq);
-  const int kv_begin = split * p.split_tokens;
-  const int kv_end = min(position + 1, kv_begin + p.split_tokens);
-  const int n_tiles = kv_end > kv_begin ? (kv_end - kv_begin + NT - 1) / NT : 0;
-  const int head0 = head_group * M;
+  const CtaWork work = cta_work(p, NT);
+  const int split = work.split, token = work.token, seq = work.seq, kv_begin = work.kv_begin;
+  const int kv_end = work.kv_end, n_tiles = work.n_tiles;
+  const int head0 = work.head_group * M;
 
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {

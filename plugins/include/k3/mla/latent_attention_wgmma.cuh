@@ -52,22 +52,10 @@ __global__ void __launch_bounds__(256, 1) latent_attention_wgmma_kernel(const La
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wg = warp >> 2, wq = warp & 3;
   const int g = lane >> 2, cq = lane & 3;
-  const int head_group = blockIdx.x % p.head_groups;
-  const int rest = blockIdx.x / p.head_groups;
-  const int split = rest % p.num_splits;
-  const int token = rest / p.num_splits;
-
-  int lo = 0, hi = p.num_seqs - 1;  // last b with cu_seqlens[b] <= token
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (__ldg(p.cu_seqlens + mid) <= token) lo = mid; else hi = mid - 1;
-  }
-  const int seq = lo;
-  const int position = __ldg(p.context_lens + seq) + token - __ldg(p.cu_seqlens + seq);
-  const int kv_begin = split * p.split_tokens;
-  const int kv_end = min(position + 1, kv_begin + p.split_tokens);
-  const int n_tiles = kv_end > kv_begin ? (kv_end - kv_begin + NT - 1) / NT : 0;
-  const int head0 = head_group * C::M;
+  const CtaWork work = cta_work(p, NT);
+  const int split = work.split, token = work.token, seq = work.seq, kv_begin = work.kv_begin;
+  const int kv_end = work.kv_end, n_tiles = work.n_tiles;
+  const int head0 = work.head_group * C::M;
   const int* block_row = p.block_tables + static_cast<int64_t>(seq) * p.max_blocks;
 
   for (int id = tid; id < C::M * C::CHUNKS; id += C::THREADS) {

@@ -200,6 +200,18 @@ __device__ __forceinline__ bool tile_info(const Schedule& s, int bm, TileInfo& t
   return true;
 }
 
+// The A rows this thread copies in gemm_mainloop (tile rows tid/4 and tid/4 + 32):
+// row_of(sorted row), nullptr past the tile's rows.
+template <typename RowOf>
+__device__ __forceinline__ void tile_a_rows(const __nv_bfloat16* (&a_rows)[2], const TileInfo& t, int tid,
+                                            RowOf row_of) {
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int r = tid / 4 + 32 * j;
+    a_rows[j] = r < t.rows ? row_of(t.row0 + r) : nullptr;
+  }
+}
+
 struct ExpertWeights {
   const __nv_bfloat16* bf16;                // [El, rows, K]
   const uint8_t* packed;                    // [El, rows, K/2]
@@ -227,11 +239,7 @@ __global__ void __launch_bounds__(kGemmThreads) gate_up_kernel(const __nv_bfloat
   if (!tile_info(s, BM, t)) return;
   const int n0 = blockIdx.y * BN, tid = threadIdx.x;
   const __nv_bfloat16* a_rows[2];
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int r = tid / 4 + 32 * j;
-    a_rows[j] = r < t.rows ? z + (int64_t)s.sorted_token[t.row0 + r] * L : nullptr;
-  }
+  tile_a_rows(a_rows, t, tid, [&](int row) { return z + (int64_t)s.sorted_token[row] * L; });
   float acc[2][2][4][4] = {};
   gemm_mainloop<2, kMxfp4>(acc, sm, a_rows, z, weight_tile(w13, t.expert, 2 * (int64_t)I, n0, L, I), L);
 
@@ -263,11 +271,7 @@ __global__ void __launch_bounds__(kGemmThreads) down_kernel(const __nv_bfloat16*
   if (!tile_info(s, BM, t)) return;
   const int n0 = blockIdx.y * BN, tid = threadIdx.x;
   const __nv_bfloat16* a_rows[2];
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int r = tid / 4 + 32 * j;
-    a_rows[j] = r < t.rows ? h + (int64_t)(t.row0 + r) * I : nullptr;
-  }
+  tile_a_rows(a_rows, t, tid, [&](int row) { return h + (int64_t)row * I; });
   float acc[1][2][4][4] = {};
   gemm_mainloop<1, kMxfp4>(acc, sm, a_rows, h, weight_tile(w2, t.expert, L, n0, I, 0), I);
 
