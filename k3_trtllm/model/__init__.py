@@ -40,7 +40,8 @@ def model_from_state_dict(cfg, state: dict[str, torch.Tensor], dtype: torch.dtyp
     for name, tensor in state.items():
         if tuple(own[name].shape) != tuple(tensor.shape):
             raise CheckpointError(f"tensor {name!r}: shape {list(tensor.shape)}, expected {list(own[name].shape)}")
-    model.load_state_dict(state, strict=True, assign=True)
+    # assign=True keeps the given tensors, so they must already live on the model's device
+    model.load_state_dict({name: tensor.to(device) for name, tensor in state.items()}, strict=True, assign=True)
     if dtype != torch.bfloat16:
         for module in model.modules():
             for name, buf in module.named_buffers(recurse=False):
