@@ -3,28 +3,35 @@
 # run the CUDA tests against the fp32 reference, the TensorRT plugin cases through the harness,
 # then the benchmark; logs and bench/moe_h200.json-style results in $OUT.
 #   bench/moe_device_run.sh
+# MOE_ONLY=1: build moe.cu alone and skip the full libraries and the plugin cases (iteration
+# calls); MOE_BENCH_ARGS: extra arguments for moe_bench.py (e.g. --prefill-only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp/moe_out}"
+moe_only="${MOE_ONLY:-0}"
 mkdir -p "$out" build /tmp/k3moe
 export TENSORRT_INCLUDE_DIR="${TENSORRT_INCLUDE_DIR:-$PWD/third_party/tensorrt/include}" PYTHONUNBUFFERED=1
-# Full libraries in the background: build/libk3_kernels.so, build/libk3_trt_plugins.so and the harness.
-( build_scripts/build_kernels.sh build ) >"$out/build_kernels.log" 2>&1 &
-kernels_pid=$!
-( build_scripts/build_plugins.sh build && nvcc -std=c++17 -shared -Xcompiler -fPIC -isystem "$TENSORRT_INCLUDE_DIR" \
-    plugins/trt/harness/plugin_harness.cpp -o build/libk3_trt_harness.so -ldl ) >"$out/build_plugins.log" 2>&1 &
-plugins_pid=$!
+if [ "$moe_only" != 1 ]; then
+  # Full libraries in the background: build/libk3_kernels.so, build/libk3_trt_plugins.so and the harness.
+  ( build_scripts/build_kernels.sh build ) >"$out/build_kernels.log" 2>&1 &
+  kernels_pid=$!
+  ( build_scripts/build_plugins.sh build && nvcc -std=c++17 -shared -Xcompiler -fPIC -isystem "$TENSORRT_INCLUDE_DIR" \
+      plugins/trt/harness/plugin_harness.cpp -o build/libk3_trt_harness.so -ldl ) >"$out/build_plugins.log" 2>&1 &
+  plugins_pid=$!
+fi
 # moe.cu on its own first (seconds), so the op tests need not wait for the other kernels.
 lib=/tmp/k3moe/libk3_moe.so
-nvcc -std=c++17 -O3 -Xcompiler -fPIC --expt-relaxed-constexpr -lineinfo -gencode arch=compute_90a,code=sm_90a \
+timeout 120 nvcc -std=c++17 -O3 -Xcompiler -fPIC --expt-relaxed-constexpr -lineinfo -gencode arch=compute_90a,code=sm_90a \
   -Iplugins/include -shared -cudart static -Xptxas -v plugins/kernels/moe.cu -o "$lib" 2>"$out/ptxas.log" \
   || { cat "$out/ptxas.log"; exit 1; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 K3_KERNELS_LIB="$lib" timeout 240 python3 -m pytest tests/gpu/test_moe_cuda.py -s -rs -k "not trt_plugin" 2>&1 \
-  | tee "$out/test.log" | grep -E "rel err|passed|failed|FAILED|Error|error|SKIP" | tail -40
-wait "$kernels_pid" || { echo "build_kernels.sh failed"; tail -20 "$out/build_kernels.log"; }
-wait "$plugins_pid" || { echo "build_plugins.sh / harness failed"; tail -20 "$out/build_plugins.log"; }
-timeout 120 python3 -m pytest tests/gpu/test_moe_cuda.py -s -rs -k "trt_plugin" 2>&1 \
-  | tee "$out/test_plugin.log" | grep -E "passed|failed|FAILED|Error|error|SKIP" | tail -20
+  | tee "$out/test.log" | grep -E "rel err|router logits|passed|failed|FAILED|Error|error|SKIP" | tail -40
+if [ "$moe_only" != 1 ]; then
+  wait "$kernels_pid" || { echo "build_kernels.sh failed"; tail -20 "$out/build_kernels.log"; }
+  wait "$plugins_pid" || { echo "build_plugins.sh / harness failed"; tail -20 "$out/build_plugins.log"; }
+  timeout 120 python3 -m pytest tests/gpu/test_moe_cuda.py -s -rs -k "trt_plugin" 2>&1 \
+    | tee "$out/test_plugin.log" | grep -E "passed|failed|FAILED|Error|error|SKIP" | tail -20
+fi
 K3_KERNELS_LIB="$lib" timeout 120 python3 bench/moe_kernel_breakdown.py --out "$out" 2>&1 | tee "$out/breakdown.log" | tail -8
-K3_KERNELS_LIB="$lib" timeout 240 python3 bench/moe_bench.py --out "$out" 2>&1 | tee "$out/bench.log" | tail -20
+K3_KERNELS_LIB="$lib" timeout 240 python3 bench/moe_bench.py --out "$out" ${MOE_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | tail -20

@@ -49,13 +49,19 @@ def _kernel_ready(tensors: dict[str, torch.Tensor], float_dtypes: dict[str, torc
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
           num_expert_group: int, topk_group: int, scoring: int, renormalize: bool,
-          routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+          routed_scaling_factor: float, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The CUDA router alone: ``topk_ids`` int32 ``[T, k]`` (best biased score first) and
-    ``topk_weights`` fp32 ``[T, k]``; bf16 ``x``, fp32 ``router_weight`` / ``correction_bias``."""
+    ``topk_weights`` fp32 ``[T, k]``; bf16 ``x``, fp32 ``router_weight`` / ``correction_bias``.
+    ``logits``: optional fp32 ``[T, E]`` scratch, left holding the router logits."""
     num_tokens, num_experts = x.shape[0], router_weight.shape[0]
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
-    logits = torch.empty(max(1, num_tokens * num_experts), dtype=torch.float32, device=x.device)
+    if logits is None:
+        logits = torch.empty(max(1, num_tokens * num_experts), dtype=torch.float32, device=x.device)
+    elif (logits.dtype != torch.float32 or logits.device != x.device or not logits.is_contiguous()
+          or logits.numel() < num_tokens * num_experts):
+        raise ValueError(f"logits: expected a contiguous fp32 tensor of {num_tokens * num_experts} elements on "
+                         f"{x.device}, got {logits.dtype} {tuple(logits.shape)} on {logits.device}")
     with torch.cuda.device(x.device):
         status = _LIB.k3_moe_route(
             x.data_ptr(), router_weight.data_ptr(), correction_bias.data_ptr(), logits.data_ptr(), ids.data_ptr(),

@@ -4,11 +4,15 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "k3/moe/decode_gemm.cuh"
+#include "k3/moe/decode_route.cuh"
 #include "k3/moe/grouped_gemm.cuh"
 #include "k3/moe/grouped_gemm_wgmma.cuh"
 #include "k3/moe/permute.cuh"
 #include "k3/moe/router.cuh"
+#include "k3/moe/router_mma.cuh"
 #include "k3/moe_api.h"
 
 namespace {
@@ -62,28 +66,85 @@ bool routing_supported(int E, int k, int G) {
   return !grouping_applies(E, G) || G <= kMaxGroups;
 }
 
-int launch_route(const void* x, const float* router_weight, const float* bias, float* logits, int* topk_ids,
-                 float* topk_weights, int T, int D, int E, int k, int G, int topk_group, int scoring,
-                 int renormalize, float scale, cudaStream_t stream) {
-  if (T <= 0) return cudaSuccess;
-  if (!routing_supported(E, k, G) || D < 1 || (scoring != 0 && scoring != 1)) return cudaErrorInvalidValue;
-  const auto* xb = static_cast<const __nv_bfloat16*>(x);
-  if (T <= kGemvMaxTokens && D % 4 == 0) {
-    const unsigned experts = (E + kGemvExperts - 1) / kGemvExperts;
-    if (T == 1) {
-      router_logits_gemv_kernel<1><<<experts, 32 * kGemvWarps, 0, stream>>>(xb, router_weight, logits, T, D, E);
-    } else if (T <= 4) {
-      router_logits_gemv_kernel<4><<<experts, 32 * kGemvWarps, 0, stream>>>(xb, router_weight, logits, T, D, E);
-    } else {
-      router_logits_gemv_kernel<8><<<dim3(experts, (T + 7) / 8), 32 * kGemvWarps, 0, stream>>>(xb, router_weight,
-                                                                                              logits, T, D, E);
-    }
+// Calls f(std::integral_constant<int, n>) with the experts per lane of the warp select.
+template <typename F>
+void with_experts_per_lane(int E, F f) {
+  if (E <= 128) {
+    f(std::integral_constant<int, 4>{});
+  } else if (E <= 256) {
+    f(std::integral_constant<int, 8>{});
+  } else if (E <= 512) {
+    f(std::integral_constant<int, 16>{});
+  } else {
+    f(std::integral_constant<int, 32>{});
+  }
+}
+
+bool gemv_logits_apply(int T, int D) { return T <= kGemvMaxTokens && D % 4 == 0; }
+
+// Decode GEMV; it also zeroes zero[0, 4 * zero_n4).
+void launch_logits_gemv(const __nv_bfloat16* x, const float* w, float* logits, int T, int D, int E, float* zero,
+                        int zero_n4, cudaStream_t stream) {
+  const unsigned experts = (E + kGemvExperts - 1) / kGemvExperts;
+  if (T == 1) {
+    router_logits_gemv_kernel<1><<<experts, 32 * kGemvWarps, 0, stream>>>(x, w, logits, T, D, E, zero, zero_n4);
+  } else if (T <= 4) {
+    router_logits_gemv_kernel<4><<<experts, 32 * kGemvWarps, 0, stream>>>(x, w, logits, T, D, E, zero, zero_n4);
+  } else {
+    router_logits_gemv_kernel<8><<<dim3(experts, (T + 7) / 8), 32 * kGemvWarps, 0, stream>>>(x, w, logits, T, D, E,
+                                                                                            zero, zero_n4);
+  }
+}
+
+// Prefill batches that take the tensor-core logits and the warp select, which then also zero
+// and fill the per-expert counts and zero the combine buffer (SelectExtras).
+bool route_folds(int T, int D, int E, int k, int G) {
+  return !gemv_logits_apply(T, D) && D % 8 == 0 && warp_select_applies(E, k, G);
+}
+
+// zero_counts / zero_n: zeroed by the tensor-core kernel (only where route_folds).
+int launch_logits(const __nv_bfloat16* x, const float* w, float* logits, int T, int D, int E, int* zero_counts,
+                  int zero_n, cudaStream_t stream) {
+  if (gemv_logits_apply(T, D)) {
+    launch_logits_gemv(x, w, logits, T, D, E, nullptr, 0, stream);
+  } else if (D % 8 == 0) {
+    const cudaError_t err = cudaFuncSetAttribute(router_logits_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 kRtSmemBytes);
+    if (err != cudaSuccess) return err;
+    const dim3 grid((E + kRtBN - 1) / kRtBN, (T + kRtBM - 1) / kRtBM);
+    router_logits_mma_kernel<<<grid, kRtThreads, kRtSmemBytes, stream>>>(x, w, logits, T, D, E, zero_counts, zero_n);
   } else {
     const dim3 grid((E + kLogitTile - 1) / kLogitTile, (T + kLogitTile - 1) / kLogitTile);
-    router_logits_kernel<<<grid, 256, 0, stream>>>(xb, router_weight, logits, T, D, E);
+    router_logits_kernel<<<grid, 256, 0, stream>>>(x, w, logits, T, D, E);
   }
-  const RouteParams p{E, k, G, topk_group, scoring, renormalize, scale};
-  router_select_kernel<<<T, kSelectThreads, 0, stream>>>(logits, bias, topk_ids, topk_weights, p);
+  return cudaSuccess;
+}
+
+void launch_select(const float* logits, const float* bias, int* topk_ids, float* topk_weights, int T,
+                   const RouteParams& p, const SelectExtras& extras, cudaStream_t stream) {
+  if (warp_select_applies(p.num_experts, p.top_k, p.num_expert_group)) {
+    const unsigned blocks = (T + kWarpSelectWarps - 1) / kWarpSelectWarps;
+    with_experts_per_lane(p.num_experts, [&](auto per_lane) {
+      router_select_warp_kernel<decltype(per_lane)::value>
+          <<<blocks, 32 * kWarpSelectWarps, 0, stream>>>(logits, bias, topk_ids, topk_weights, p, T, extras);
+    });
+  } else {
+    router_select_kernel<<<T, kSelectThreads, 0, stream>>>(logits, bias, topk_ids, topk_weights, p);
+  }
+}
+
+// fold: the counts / combine buffer to zero and fill on the way (only where route_folds).
+int launch_route(const void* x, const float* router_weight, const float* bias, float* logits, int* topk_ids,
+                 float* topk_weights, int T, int D, int E, int k, int G, int topk_group, int scoring,
+                 int renormalize, float scale, cudaStream_t stream, const SelectExtras* fold = nullptr) {
+  if (T <= 0) return cudaSuccess;
+  if (!routing_supported(E, k, G) || D < 1 || (scoring != 0 && scoring != 1)) return cudaErrorInvalidValue;
+  const int err = launch_logits(static_cast<const __nv_bfloat16*>(x), router_weight, logits, T, D, E,
+                                fold != nullptr ? fold->counts : nullptr, fold != nullptr ? fold->num_local_experts : 0,
+                                stream);
+  if (err != cudaSuccess) return err;
+  launch_select(logits, bias, topk_ids, topk_weights, T, RouteParams{E, k, G, topk_group, scoring, renormalize, scale},
+                fold != nullptr ? *fold : SelectExtras{nullptr, 0, 0, nullptr, 0}, stream);
   return cudaGetLastError();
 }
 
@@ -100,30 +161,43 @@ struct MoeArgs {
   cudaStream_t stream;
 };
 
+// The decode chain's later kernels (select + schedule, the two GEMVs, the rounding): launched
+// as programmatic dependents of the kernel before them (pdl.cuh), so their CTAs are resident
+// when it completes instead of being launched then (bf16 T = 1: ~3 µs of 316).
+template <typename... Params, typename... Args>
+void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args... args) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+}
+
 template <bool kMxfp4, int kTiles>
 void launch_decode(const MoeArgs& a, const Workspace& w, int tiles) {
-  gate_up_decode_kernel<kMxfp4, kTiles><<<dim3(tiles, a.I / kDecodeFeatures), kDecodeThreads, 0, a.stream>>>(
-      static_cast<const __nv_bfloat16*>(a.z), a.w13, w.h, w.schedule, a.L, a.I, a.act);
-  down_decode_kernel<kMxfp4, kTiles><<<dim3(tiles, a.L / kDecodeFeatures), kDecodeThreads, 0, a.stream>>>(
-      w.h, a.w2, w.acc, w.schedule, a.L, a.I);
+  launch_dependent(gate_up_decode_kernel<kMxfp4, kTiles>, dim3(tiles, a.I / kDecodeFeatures), dim3(kDecodeThreads),
+                   a.stream, static_cast<const __nv_bfloat16*>(a.z), a.w13, w.h, w.schedule, a.L, a.I, a.act);
+  launch_dependent(down_decode_kernel<kMxfp4, kTiles>, dim3(tiles, a.L / kDecodeFeatures), dim3(kDecodeThreads),
+                   a.stream, static_cast<const __nv_bfloat16*>(w.h), a.w2, w.acc, w.schedule, a.L, a.I);
 }
 
 template <bool kMxfp4>
 int moe_forward(const MoeArgs& a) {
   if (a.T < 0 || a.El < 1 || a.offset < 0 || a.offset + a.El > a.E) return cudaErrorInvalidValue;
   if (!k3_moe_supported(a.E, a.El, a.k, a.G, a.L, a.I)) return cudaErrorInvalidValue;
+  if (a.D < 1 || (a.scoring != 0 && a.scoring != 1)) return cudaErrorInvalidValue;
   if (a.T == 0) return cudaSuccess;
   const Workspace w = carve(static_cast<char*>(a.workspace), a.T, a.E, a.k, a.El, a.L, a.I);
   if (a.workspace == nullptr || a.workspace_bytes < w.bytes) return cudaErrorInvalidValue;
   cudaStream_t st = a.stream;
-  int err = launch_route(a.x, a.router_weight, a.bias, w.logits, w.topk_ids, w.topk_weights, a.T, a.D, a.E, a.k,
-                         a.G, a.topk_group, a.scoring, a.renormalize, a.scale, st);
-  if (err != cudaSuccess) return err;
-
   const int assignments = a.T * a.k;
   const Schedule& s = w.schedule;
-  cudaMemsetAsync(s.counts, 0, a.El * sizeof(int), st);
-  cudaMemsetAsync(w.acc, 0, (size_t)a.T * a.L * sizeof(float), st);
   // Few rows per expert (at most kDecodeMaxRows on average): the weight-streaming decode GEMMs,
   // 8-row tiles when T <= 8 (no expert can get more), else 16; otherwise the tiled GEMMs, whose
   // 128-row (wgmma) or 64-row (mma.sync, sizes the wgmma tiles do not divide) tiles reuse each
@@ -131,10 +205,32 @@ int moe_forward(const MoeArgs& a) {
   const bool decode = assignments <= kDecodeMaxRows * a.El;
   const bool wgmma = !decode && wgmma_tiles_fit(a.L, a.I);
   const int bm = wgmma ? kWgBM : !decode ? BM : a.T <= 8 ? 8 : 16;
-  const int blocks = (assignments + 255) / 256;
-  count_kernel<<<blocks, 256, 0, st>>>(w.topk_ids, assignments, a.offset, a.El, s.counts);
-  schedule_kernel<<<1, kScanThreads, 0, st>>>(s, a.El, bm);
-  scatter_kernel<<<blocks, 256, 0, st>>>(w.topk_ids, w.topk_weights, assignments, a.k, a.offset, a.El, s);
+  int err = cudaSuccess;
+  if (gemv_logits_apply(a.T, a.D) && decode_route_applies(a.T, a.E, a.k, a.G)) {
+    // Decode: the router GEMV also zeroes the combine buffer (T * L, L % 64 == 0), and one CTA
+    // selects, counts, scans and scatters: two launches instead of seven (and two memsets).
+    const RouteParams p{a.E, a.k, a.G, a.topk_group, a.scoring, a.renormalize, a.scale};
+    launch_logits_gemv(static_cast<const __nv_bfloat16*>(a.x), a.router_weight, w.logits, a.T, a.D, a.E, w.acc,
+                       a.T * a.L / 4, st);
+    with_experts_per_lane(a.E, [&](auto per_lane) {
+      launch_dependent(route_schedule_kernel<decltype(per_lane)::value>, dim3(1), dim3(kScanThreads), st,
+                       static_cast<const float*>(w.logits), a.bias, p, a.T, a.offset, a.El, bm, s);
+    });
+  } else {
+    const bool fold = route_folds(a.T, a.D, a.E, a.k, a.G);
+    const SelectExtras extras{s.counts, a.offset, a.El, w.acc, a.L};
+    err = launch_route(a.x, a.router_weight, a.bias, w.logits, w.topk_ids, w.topk_weights, a.T, a.D, a.E, a.k, a.G,
+                       a.topk_group, a.scoring, a.renormalize, a.scale, st, fold ? &extras : nullptr);
+    if (err != cudaSuccess) return err;
+    const int blocks = (assignments + 255) / 256;
+    if (!fold) {
+      cudaMemsetAsync(s.counts, 0, a.El * sizeof(int), st);
+      cudaMemsetAsync(w.acc, 0, (size_t)a.T * a.L * sizeof(float), st);
+      count_kernel<<<blocks, 256, 0, st>>>(w.topk_ids, assignments, a.offset, a.El, s.counts);
+    }
+    schedule_kernel<<<1, kScanThreads, 0, st>>>(s, a.El, bm);
+    scatter_kernel<<<blocks, 256, 0, st>>>(w.topk_ids, w.topk_weights, assignments, a.k, a.offset, a.El, s);
+  }
 
   // Grids cover the worst-case M tiles of this many assignments, not El experts' worth:
   // decode (T*k small) launches at most T*k tiles per column block; spare ones exit at once.
@@ -159,8 +255,13 @@ int moe_forward(const MoeArgs& a) {
     down_kernel<kMxfp4><<<dim3(tiles, a.L / BN), kGemmThreads, 0, st>>>(w.h, a.w2, w.acc, s, a.L, a.I);
   }
   const int64_t n = (int64_t)a.T * a.L;
-  round_to_bf16_kernel<<<(unsigned)((n / 2 + 255) / 256 + 1), 256, 0, st>>>(w.acc, static_cast<__nv_bfloat16*>(a.out),
-                                                                           n);
+  const dim3 round_grid((unsigned)((n / 2 + 255) / 256 + 1));
+  if (decode) {
+    launch_dependent(round_to_bf16_kernel, round_grid, dim3(256), st, static_cast<const float*>(w.acc),
+                     static_cast<__nv_bfloat16*>(a.out), n);
+  } else {
+    round_to_bf16_kernel<<<round_grid, 256, 0, st>>>(w.acc, static_cast<__nv_bfloat16*>(a.out), n);
+  }
   return cudaGetLastError();
 }
 

@@ -42,6 +42,9 @@ CASES = {
     # per expert in both GEMMs; and a down GEMM of 2 k-steps, fewer than its pipeline depth
     "wgmma_tiles": (16, 16, 0, 4, 1, 1, 0, 1, 1.0, 1, 2.0, 4.0, 512, 256, 64),
     "wgmma_ep_silu_short_k": (16, 6, 5, 4, 1, 1, 0, 0, 2.5, 0, 1.0, 0.0, 256, 128, 64),
+    # 400 experts: the warp-per-token select with 16 experts per lane (decode: in the one-CTA
+    # route + schedule kernel), softmax scores, an EP shard of 40 experts
+    "many_experts_softmax": (400, 40, 100, 8, 1, 1, 1, 1, 1.0, 1, 2.0, 4.0, 64, 64, 96),
 }
 K3_CASE = (896, 112, 224, 16, 1, 1, 0, 1, 1.0, 1, 2.0, 4.0, 3584, 3072, 7168)
 # One EP rank's share after the all-to-all (bench/moe_bench.py's shape): all 112 experts local.
@@ -190,6 +193,36 @@ def test_k3_dims_ep_rank_matches_the_reference(cuda_moe, mxfp4):
     err = rel_err(out, ref)
     print(f"K3 {'mxfp4' if mxfp4 else 'bf16'}: {active.numel()} active local experts, rel err {err:.2e}")
     assert err < TOL
+
+
+@pytest.mark.parametrize("num_experts", [112, 896])
+def test_prefill_router_logits_as_accurate_as_fp32(cuda_moe, num_experts):
+    """Router logits of a prefill batch (T > 64: router_mma.cuh, three bf16 terms of the fp32
+    weights on the tensor cores) at K3 width D = 7168, against fp64: the error is no larger
+    than that of a sequential fp32 sum over D (emulated on the GPU, one rounded product and one
+    rounded add per step), in rms and in max; selection equals the fp32 CPU reference's.
+    1000 tokens: 15 full 64-token tiles and a partial one; 896 experts: 14 expert tiles, 112:
+    a partial second one. A two-term split (2^-16 per weight) would be ~10x over the rms."""
+    T, D = 1000, 7168
+    case = (num_experts, num_experts, 0, 16, 1, 1, 0, 1, 1.0, 1, 2.0, 4.0, 64, 64, D)
+    g = torch.Generator(device="cuda").manual_seed(num_experts)
+    x = torch.randn(T, D, generator=g, device="cuda").bfloat16()
+    router = torch.randn(num_experts, D, generator=g, device="cuda") * D ** -0.5
+    bias = torch.randn(num_experts, generator=g, device="cuda") * 0.1
+    logits = torch.full((T, num_experts), float("nan"), device="cuda")
+    cuda_moe.route(x, router, bias, 16, 1, 1, 0, True, 1.0, logits=logits)
+    exact = x.double() @ router.double().T
+    sequential = torch.zeros(T, num_experts, device="cuda")
+    xf = x.float()
+    for k in range(D):
+        sequential += xf[:, k, None] * router[None, :, k]
+    err, err_seq = (logits.double() - exact).abs(), (sequential.double() - exact).abs()
+    rms, rms_seq = float(err.square().mean().sqrt()), float(err_seq.square().mean().sqrt())
+    print(f"router logits E={num_experts}: rms err {rms:.2e} (sequential fp32 {rms_seq:.2e}), "
+          f"max {float(err.max()):.2e} ({float(err_seq.max()):.2e})")
+    assert torch.isfinite(logits).all()
+    assert rms <= rms_seq and float(err.max()) <= float(err_seq.max())
+    check_selection(cuda_moe, [x, None, router, bias], attrs_of(case))
 
 
 # --- TensorRT plugin through the harness (plugins/trt/harness/plugin_harness.cpp) ---------------

@@ -14,6 +14,7 @@
 #pragma once
 
 #include "grouped_gemm.cuh"
+#include "pdl.cuh"
 
 namespace k3 {
 namespace moe {
@@ -200,6 +201,8 @@ __global__ void __launch_bounds__(kDecodeThreads, decode_min_blocks(kTiles)) gat
                                                                         __nv_bfloat16* __restrict__ h, Schedule s,
                                                                         int L, int I, GluParams act) {
   __shared__ uint32_t table[kMxfp4 ? kMxfp4TableWords : 1];
+  pdl_launch_dependents();
+  pdl_wait();  // the schedule and z come from the kernels before
   TileInfo t;
   if (!tile_info(s, 8 * kTiles, t)) return;
   const int f0 = blockIdx.y * kDecodeFeatures + threadIdx.x / 32 * 16;
@@ -224,6 +227,8 @@ __global__ void __launch_bounds__(kDecodeThreads, decode_min_blocks(kTiles)) dow
                                                                      ExpertWeights w2, float* __restrict__ acc_out,
                                                                      Schedule s, int L, int I) {
   __shared__ uint32_t table[kMxfp4 ? kMxfp4TableWords : 1];
+  pdl_launch_dependents();
+  pdl_wait();  // the schedule, h and the zeroed acc come from the kernels before
   TileInfo t;
   if (!tile_info(s, 8 * kTiles, t)) return;
   const int f0 = blockIdx.y * kDecodeFeatures + threadIdx.x / 32 * 16;

@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "mxfp4.cuh"
+#include "pdl.cuh"
 #include "permute.cuh"
 
 namespace k3 {
@@ -295,6 +296,7 @@ __global__ void __launch_bounds__(kGemmThreads) down_kernel(const __nv_bfloat16*
 }
 
 __global__ void round_to_bf16_kernel(const float* __restrict__ acc, __nv_bfloat16* __restrict__ out, int64_t n) {
+  pdl_wait();  // acc, when launched as a programmatic dependent (decode)
   const int64_t i = 2 * ((int64_t)blockIdx.x * blockDim.x + threadIdx.x);
   if (i + 1 < n) {
     const float2 v = *reinterpret_cast<const float2*>(acc + i);

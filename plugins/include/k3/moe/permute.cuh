@@ -34,8 +34,10 @@ __global__ void count_kernel(const int* __restrict__ topk_ids, int assignments, 
 
 constexpr int kScanThreads = 1024;
 
-// Exclusive block scan of one value per thread (blockDim.x == kScanThreads); `total` gets the sum.
-__device__ int block_exclusive_scan(int v, int* warp_sums, int* total) {
+// Exclusive block scan of one value per thread (blockDim.x == kScanThreads); `total` gets the
+// sum. Every warp scans the 32 warp sums itself (no warp-0-only branch: shuffles under a
+// divergent branch compile to WARPSYNC.COLLECTIVE loops, microseconds in a one-CTA kernel).
+__device__ int block_exclusive_scan(int v, int* warp_sums, int& total) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   int inc = v;
 #pragma unroll
@@ -45,34 +47,29 @@ __device__ int block_exclusive_scan(int v, int* warp_sums, int* total) {
   }
   if (lane == 31) warp_sums[warp] = inc;
   __syncthreads();
-  if (warp == 0) {
-    int w = warp_sums[lane], winc = w;
+  const int w = warp_sums[lane];
+  int winc = w;
 #pragma unroll
-    for (int off = 1; off < 32; off *= 2) {
-      const int o = __shfl_up_sync(0xffffffffu, winc, off);
-      if (lane >= off) winc += o;
-    }
-    warp_sums[lane] = winc - w;
-    if (lane == 31) *total = winc;
+  for (int off = 1; off < 32; off *= 2) {
+    const int o = __shfl_up_sync(0xffffffffu, winc, off);
+    if (lane >= off) winc += o;
   }
-  __syncthreads();
-  const int result = warp_sums[warp] + inc - v;
+  const int before = __shfl_sync(0xffffffffu, winc - w, warp);
+  total = __shfl_sync(0xffffffffu, winc, 31);
   __syncthreads();  // warp_sums is reused by the next scan
-  return result;
+  return before + inc - v;
 }
 
-// One CTA of kScanThreads threads; num_local_experts <= kScanThreads.
-__global__ void __launch_bounds__(kScanThreads) schedule_kernel(Schedule s, int num_local_experts, int bm) {
-  __shared__ int warp_sums[32];
-  __shared__ int total_rows, total_tiles;
+// Offsets and M-tile lists from the per-expert row counts: thread e (of kScanThreads) brings
+// expert e's count n (0 past num_local_experts) and gets the expert's first sorted row.
+__device__ int build_schedule(const Schedule& s, int n, int num_local_experts, int bm, int* warp_sums) {
   const int e = threadIdx.x;
-  const int n = e < num_local_experts ? s.counts[e] : 0;
   const int tiles = (n + bm - 1) / bm;
-  const int row0 = block_exclusive_scan(n, warp_sums, &total_rows);
-  const int tile0 = block_exclusive_scan(tiles, warp_sums, &total_tiles);
+  int total_rows, total_tiles;
+  const int row0 = block_exclusive_scan(n, warp_sums, total_rows);
+  const int tile0 = block_exclusive_scan(tiles, warp_sums, total_tiles);
   if (e < num_local_experts) {
     s.offsets[e] = row0;
-    s.fill[e] = 0;
     for (int j = 0; j < tiles; ++j) {
       s.tile_expert[tile0 + j] = e;
       s.tile_row[tile0 + j] = row0 + j * bm;
@@ -82,6 +79,15 @@ __global__ void __launch_bounds__(kScanThreads) schedule_kernel(Schedule s, int 
     s.offsets[num_local_experts] = total_rows;
     *s.num_tiles = total_tiles;
   }
+  return row0;
+}
+
+// One CTA of kScanThreads threads; num_local_experts <= kScanThreads.
+__global__ void __launch_bounds__(kScanThreads) schedule_kernel(Schedule s, int num_local_experts, int bm) {
+  __shared__ int warp_sums[32];
+  const int e = threadIdx.x;
+  build_schedule(s, e < num_local_experts ? s.counts[e] : 0, num_local_experts, bm, warp_sums);
+  if (e < num_local_experts) s.fill[e] = 0;
 }
 
 // Row order inside an expert depends on atomic timing; each row's GEMM result does not.

@@ -7,6 +7,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "pdl.cuh"
+
 namespace k3 {
 namespace moe {
 
@@ -15,7 +17,8 @@ constexpr int kMaxGroups = 32;
 
 // logits[T, E] = float(x[T, D]) · w[E, D]ᵀ in fp32 on the CUDA cores: each output is one
 // sequential fp32 sum over D (the reference's fp32 matmul sums in another order; the
-// difference is a few fp32 ulps). 64 x 64 tiles, 256 threads of 4 x 4 outputs.
+// difference is a few fp32 ulps). 64 x 64 tiles, 256 threads of 4 x 4 outputs. Only for
+// D % 8 != 0 now: router_mma.cuh does prefill batches on the tensor cores, as accurately.
 constexpr int kLogitTile = 64, kLogitBK = 16;
 
 __global__ void __launch_bounds__(256) router_logits_kernel(const __nv_bfloat16* __restrict__ x,
@@ -92,15 +95,21 @@ __device__ __forceinline__ float warp_max(float v) {
 // handful of CTAs the whole D loop. A CTA owns kGemvExperts expert rows, each split over
 // kGemvSplit warps (interleaved 16-byte chunks of the fp32 row), and kTokens tokens; the
 // warps' partial sums meet in shared memory in a fixed order (deterministic logits).
-// grid (ceil(E / kGemvExperts), ceil(T / kTokens)); D % 4 == 0.
-constexpr int kGemvWarps = 8, kGemvSplit = 4, kGemvExperts = kGemvWarps / kGemvSplit, kGemvMaxTokens = 64;
+// grid (ceil(E / kGemvExperts), ceil(T / kTokens)); D % 4 == 0. The grid also zeroes
+// zero[0, 4 * zero_n4) (the decode path's combine buffer), which saves a memset node.
+constexpr int kGemvWarps = 8, kGemvSplit = 8, kGemvExperts = kGemvWarps / kGemvSplit, kGemvMaxTokens = 64;
 
 template <int kTokens>
 __global__ void __launch_bounds__(32 * kGemvWarps) router_logits_gemv_kernel(const __nv_bfloat16* __restrict__ x,
                                                                            const float* __restrict__ w,
                                                                            float* __restrict__ logits, int T,
-                                                                           int D, int E) {
+                                                                           int D, int E, float* __restrict__ zero,
+                                                                           int zero_n4) {
   __shared__ float partial[kGemvWarps][kTokens];
+  pdl_launch_dependents();  // the decode chain's select kernel may get resident meanwhile
+  const int cta = blockIdx.y * gridDim.x + blockIdx.x, ctas = gridDim.x * gridDim.y;
+  for (int i = cta * blockDim.x + threadIdx.x; i < zero_n4; i += ctas * blockDim.x)
+    reinterpret_cast<float4*>(zero)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, part = warp % kGemvSplit;
   const int e = blockIdx.x * kGemvExperts + warp / kGemvSplit, t0 = blockIdx.y * kTokens;
   float acc[kTokens] = {};
@@ -249,6 +258,116 @@ __global__ void __launch_bounds__(kSelectThreads) router_select_kernel(const flo
     float w = chosen_weight;
     if (p.renormalize) w = w / weight_sum;
     topk_weights[(size_t)t * p.top_k + threadIdx.x] = w * p.routed_scaling_factor;
+  }
+}
+
+
+// Ungrouped routing by one warp per token (E <= 32 * kPerLane, top_k <= 32): lane l holds
+// experts l, l + 32, ...; each of the k rounds is two warp reductions (redux.sync max of the
+// order-preserving keys, then min of the ids holding that key), no barriers. Same scores, tie
+// rule (larger biased score, then lower id) and weight arithmetic as router_select_kernel (the
+// softmax sum runs in another order: a few ulps). Lane r < top_k returns slot r's global id
+// and final weight; `row` is the token's logits.
+constexpr int kWarpSelectMaxK = 32;
+
+__host__ __device__ inline bool warp_select_applies(int num_experts, int top_k, int num_expert_group) {
+  return !grouping_applies(num_experts, num_expert_group) && top_k <= kWarpSelectMaxK && num_experts <= kMaxExperts;
+}
+
+// Larger float -> larger key; key 0 (below every float, -inf included) marks chosen, absent and
+// NaN experts. -0 would rank below +0, but a biased score is never -0: the score is >= +0 and
+// +0 + (-0) rounds to +0.
+__device__ __forceinline__ uint32_t select_key(float v) {
+  const uint32_t u = __float_as_uint(v);
+  return v != v ? 0u : (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+template <int kPerLane>
+__device__ __forceinline__ void warp_select_token(const float* __restrict__ row, const float* __restrict__ bias,
+                                                  const RouteParams& p, int& id_out, float& weight_out) {
+  const int lane = threadIdx.x % 32, E = p.num_experts;
+  float logit[kPerLane];
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) logit[j] = lane + 32 * j < E ? row[lane + 32 * j] : -INFINITY;
+  float row_max = 0.f, denom = 1.f;
+  if (p.scoring == 1) {  // softmax: exp(l - max) / sum, as torch.softmax
+    float m = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) m = fmaxf(m, logit[j]);
+    row_max = warp_max(m);
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j)
+      if (lane + 32 * j < E) s += expf(logit[j] - row_max);
+    denom = warp_sum(s);
+  }
+  auto score_of = [&](float l) { return p.scoring == 1 ? expf(l - row_max) / denom : 1.f / (1.f + expf(-l)); };
+  uint32_t key[kPerLane];
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const int e = lane + 32 * j;
+    key[j] = e < E ? select_key(score_of(logit[j]) + bias[e]) : 0u;
+  }
+  int chosen_id = 0;
+  for (int r = 0; r < p.top_k; ++r) {
+    uint32_t m = key[0];
+#pragma unroll
+    for (int j = 1; j < kPerLane; ++j) m = max(m, key[j]);
+    const uint32_t top = __reduce_max_sync(0xffffffffu, m);
+    uint32_t candidate = 0xffffffffu;  // this lane's lowest id holding the top key
+#pragma unroll
+    for (int j = kPerLane - 1; j >= 0; --j)
+      if (key[j] == top) candidate = lane + 32 * j;
+    const int best = (int)__reduce_min_sync(0xffffffffu, candidate);
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j)
+      if (lane + 32 * j == best) key[j] = 0u;
+    if (lane == r) chosen_id = best;
+  }
+  // Weights are the unbiased scores; their sum runs sequentially in selection order, as torch's
+  // sum over the top-k.
+  const float chosen_weight = lane < p.top_k ? score_of(row[chosen_id]) : 0.f;
+  float weight_sum = 0.f;
+  for (int r = 0; r < p.top_k; ++r) weight_sum += __shfl_sync(0xffffffffu, chosen_weight, r);
+  id_out = chosen_id;
+  weight_out = (p.renormalize ? chosen_weight / weight_sum : chosen_weight) * p.routed_scaling_factor;
+}
+
+constexpr int kWarpSelectWarps = 8;
+
+// What the prefill path folds into the select kernel (all optional, nullptr = skip): count the
+// token's assignments to local experts [expert_offset, + num_local_experts) into counts
+// (zeroed by the logits kernel), and zero the token's row of `rows` (row_len floats, % 4 == 0:
+// the fp32 combine buffer). Saves the count kernel and a memset.
+struct SelectExtras {
+  int* counts;
+  int expert_offset, num_local_experts;
+  float* rows;
+  int row_len;
+};
+
+// One warp per token; grid ceil(T / kWarpSelectWarps).
+template <int kPerLane>
+__global__ void __launch_bounds__(32 * kWarpSelectWarps) router_select_warp_kernel(const float* __restrict__ logits,
+                                                                                  const float* __restrict__ bias,
+                                                                                  int* __restrict__ topk_ids,
+                                                                                  float* __restrict__ topk_weights,
+                                                                                  RouteParams p, int T,
+                                                                                  SelectExtras x) {
+  const int t = blockIdx.x * kWarpSelectWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (t >= T) return;  // warp-uniform
+  if (x.rows != nullptr) {
+    float4* row = reinterpret_cast<float4*>(x.rows + (size_t)t * x.row_len);
+    for (int i = lane; i < x.row_len / 4; i += 32) row[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  int id;
+  float weight;
+  warp_select_token<kPerLane>(logits + (size_t)t * p.num_experts, bias, p, id, weight);
+  if (lane < p.top_k) {
+    topk_ids[(size_t)t * p.top_k + lane] = id;
+    topk_weights[(size_t)t * p.top_k + lane] = weight;
+    const int local = id - x.expert_offset;
+    if (x.counts != nullptr && local >= 0 && local < x.num_local_experts) atomicAdd(&x.counts[local], 1);
   }
 }
 
