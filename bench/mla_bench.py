@@ -1,10 +1,15 @@
 """MLA kernels on the GPU: decode (absorbed, paged) and prefill, against FlashMLA and torch.
 
     python bench/mla_bench.py --out DIR [--flashmla path/_flashmla_C.abi3.so]
-        [--shapes 64x8192x12,256x8192x16] [--attn-only] [--skip-prefill] [--no-plot]
+        [--shapes 64x8192x12,256x8192x16] [--attn-only] [--skip-prefill] [--skip-decode] [--no-plot]
 
 Writes DIR/mla_h200.json and DIR/mla_h200.png (--shapes: decode B x L x H to run;
 --attn-only: time the attention part alone, without whole-decode and torch rows).
+Prefill: single sequences of T new tokens (the op as dispatched, the absorbed form on the
+same inputs, torch SDPA on expanded keys with and without the expansion), attention
+TFLOP/s counting the causal half, T(T+1)/2 query-key pairs x H x 2(Dqk+Dv); and chunks of
+n new tokens after a cached context (expanded vs absorbed form: where the dispatch rule's
+384 tokens per sequence sits).
 Decode bandwidth counts the latent cache bytes that must be read once (B * L * (R+Dr) * 2),
 over the time of the attention part alone (FlashMLA's scope: q_lat in, a_lat out) and of
 the whole decode op (cache insert, q_nope·W_UK, attention, ·W_UV), as TB/s and as a
@@ -36,6 +41,8 @@ BLOCK = 64
 DECODE_SHAPES = [(64, 8192, 96), (64, 8192, 12), (256, 8192, 16), (1, 32768, 128), (128, 2048, 128)]
 PREFILL_T = [2048, 16384]
 PREFILL_HEADS = [96, 12]
+CHUNK_CONTEXT = 16384
+CHUNK_NEW = [128, 384, 1024]
 
 
 def time_ms(fn, reps=20, warmup=3, batch=8):
@@ -155,22 +162,47 @@ def decode_case(batch, length, heads, copy_tbps, flashmla, attn_only=False):
     return row
 
 
+def prefill_inputs(context, tokens, heads):
+    """One sequence: `context` cached random latents, `tokens` new ones, contiguous blocks."""
+    gen = torch.Generator(device="cuda").manual_seed(tokens + heads + context)
+    blocks = -(-(context + tokens) // BLOCK)
+    cache = torch.randn(blocks, BLOCK, WIDTH, generator=gen, device="cuda").to(torch.bfloat16)
+    return dict(
+        q=torch.randn(tokens, heads, NOPE + ROPE, generator=gen, device="cuda").to(torch.bfloat16),
+        latent=torch.randn(tokens, WIDTH, generator=gen, device="cuda").to(torch.bfloat16),
+        w_uk=(torch.randn(heads, NOPE, RANK, generator=gen, device="cuda") / NOPE ** 0.5).to(torch.bfloat16),
+        w_uv=(torch.randn(heads, VDIM, RANK, generator=gen, device="cuda") / RANK ** 0.5).to(torch.bfloat16),
+        cu_seqlens=torch.tensor([0, tokens], dtype=torch.int32, device="cuda"),
+        context_lens=torch.tensor([context], dtype=torch.int32, device="cuda"),
+        block_tables=torch.arange(blocks, dtype=torch.int32, device="cuda").view(1, -1),
+        slot_mapping=torch.arange(context, context + tokens, dtype=torch.int32, device="cuda"),
+        latent_cache=cache)
+
+
+def op_args(x, heads):
+    return (x["q"], x["latent"], x["w_uk"], x["w_uv"], x["cu_seqlens"], x["context_lens"], x["block_tables"],
+            x["slot_mapping"], x["latent_cache"], heads, NOPE, ROPE, RANK, VDIM, SCALE)
+
+
+def timed_rows(row, fns, tokens, reps, attn_flop=None):
+    for name, fn in fns:
+        ms = time_ms(fn, reps=reps, warmup=2, batch=1)
+        row[f"{name}_ms"] = ms
+        row[f"{name}_mtok_s"] = tokens / ms / 1e3
+        if attn_flop:
+            row[f"{name}_attn_tflops"] = attn_flop / ms / 1e9
+
+
 def prefill_case(tokens, heads):
-    gen = torch.Generator(device="cuda").manual_seed(tokens + heads)
-    blocks = tokens // BLOCK
-    cache = torch.zeros(blocks, BLOCK, WIDTH, device="cuda", dtype=torch.bfloat16)
-    block_tables = torch.arange(blocks, dtype=torch.int32, device="cuda").view(1, -1)
-    q = torch.randn(tokens, heads, NOPE + ROPE, generator=gen, device="cuda").to(torch.bfloat16)
-    latent = torch.randn(tokens, WIDTH, generator=gen, device="cuda").to(torch.bfloat16)
-    w_uk = (torch.randn(heads, NOPE, RANK, generator=gen, device="cuda") / NOPE ** 0.5).to(torch.bfloat16)
-    w_uv = (torch.randn(heads, VDIM, RANK, generator=gen, device="cuda") / RANK ** 0.5).to(torch.bfloat16)
-    cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
-    context = torch.zeros(1, dtype=torch.int32, device="cuda")
-    slots = torch.arange(tokens, dtype=torch.int32, device="cuda")
-    attrs = (heads, NOPE, ROPE, RANK, VDIM, SCALE)
+    x = prefill_inputs(0, tokens, heads)
+    args = op_args(x, heads)
+    q, latent, w_uk, w_uv = x["q"], x["latent"], x["w_uk"], x["w_uv"]
 
     def ours(i):
-        return cuda_mla.mla_prefill_cuda(q, latent, w_uk, w_uv, cu, context, block_tables, slots, cache, *attrs)
+        return cuda_mla.mla_prefill_cuda(*args)
+
+    def ours_absorbed(i):  # the decode op runs the absorbed form for any token count
+        return cuda_mla.mla_decode_cuda(*args)
 
     def expand():
         c_kv, k_pe = latent[:, :RANK], latent[:, RANK:]
@@ -188,14 +220,30 @@ def prefill_case(tokens, heads):
         qq, kk, vv = expand()
         return F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=SCALE)
 
-    row = dict(tokens=tokens, heads=heads)
+    sizes = (tokens, 1, heads, NOPE, ROPE, RANK, VDIM, x["block_tables"].shape[1], BLOCK)
+    row = dict(tokens=tokens, heads=heads, ours_path="expanded" if cuda_mla.prefill_uses_expanded(*sizes)
+               else "absorbed")
     want = sdpa_attn(0)[0].transpose(0, 1).reshape(tokens, -1)
     row["ours_vs_sdpa_rel_err"] = rel_err(ours(0), want)
-    reps = 5 if tokens > 4096 else 10
-    for name, fn in (("ours_whole", ours), ("sdpa_attn", sdpa_attn), ("sdpa_whole", sdpa_whole)):
-        ms = time_ms(fn, reps=reps, warmup=2, batch=1)
-        row[f"{name}_ms"] = ms
-        row[f"{name}_mtok_s"] = tokens / ms / 1e3
+    row["absorbed_vs_sdpa_rel_err"] = rel_err(ours_absorbed(0), want)
+    attn_flop = heads * tokens * (tokens + 1) / 2 * 2 * (NOPE + ROPE + VDIM)
+    timed_rows(row, (("ours_whole", ours), ("ours_absorbed", ours_absorbed), ("sdpa_attn", sdpa_attn),
+                     ("sdpa_whole", sdpa_whole)), tokens, 5 if tokens > 4096 else 10, attn_flop)
+    row["ours_vs_sdpa_attn_speed"] = row["sdpa_attn_ms"] / row["ours_whole_ms"]
+    row["ours_vs_sdpa_whole_speed"] = row["sdpa_whole_ms"] / row["ours_whole_ms"]
+    row["ours_vs_absorbed_speed"] = row["ours_absorbed_ms"] / row["ours_whole_ms"]
+    return row
+
+
+def chunk_case(context, tokens, heads):
+    """A chunk of new tokens after a cached context: both forms, same inputs."""
+    x = prefill_inputs(context, tokens, heads)
+    args = op_args(x, heads)
+    row = dict(context=context, tokens=tokens, heads=heads)
+    row["expanded_vs_absorbed_rel_err"] = rel_err(cuda_mla.prefill_expanded(*args), cuda_mla.mla_decode_cuda(*args))
+    timed_rows(row, (("expanded", lambda i: cuda_mla.prefill_expanded(*args)),
+                     ("absorbed", lambda i: cuda_mla.mla_decode_cuda(*args))), tokens, 10)
+    row["expanded_vs_absorbed_speed"] = row["absorbed_ms"] / row["expanded_ms"]
     return row
 
 
@@ -245,6 +293,7 @@ def main():
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--flashmla", type=Path, default=ROOT / ".carry/_flashmla_C.abi3.so")
     parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--shapes", type=lambda text: [tuple(int(x) for x in s.split("x")) for s in text.split(",")],
                         default=DECODE_SHAPES)
     parser.add_argument("--attn-only", action="store_true")
@@ -257,9 +306,9 @@ def main():
     copy_tbps = copy_bandwidth()
     result = dict(commit=commit_id(), source_hash=source_hash(), gpu=torch.cuda.get_device_name(),
                   date=datetime.date.today().isoformat(), torch=torch.__version__, copy_tbps=copy_tbps,
-                  decode=[], prefill=[])
+                  decode=[], prefill=[], prefill_chunks=[])
     print(f"copy {copy_tbps:.2f} TB/s")
-    for shape in args.shapes:
+    for shape in [] if args.skip_decode else args.shapes:
         row = decode_case(*shape, copy_tbps, flashmla, args.attn_only)
         torch.cuda.empty_cache()  # the next shape's caches are large
         result["decode"].append(row)
@@ -273,7 +322,14 @@ def main():
                 print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                       flush=True)
                 (args.out / "mla_h200.json").write_text(json.dumps(result, indent=1))
-    if not args.no_plot:
+        for heads in PREFILL_HEADS:
+            for tokens in CHUNK_NEW:
+                row = chunk_case(CHUNK_CONTEXT, tokens, heads)
+                result["prefill_chunks"].append(row)
+                print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                      flush=True)
+                (args.out / "mla_h200.json").write_text(json.dumps(result, indent=1))
+    if not args.no_plot and result["decode"]:
         plot(result, args.out / "mla_h200.png")
     print("decode summary (attention us, TB/s, fraction of copy):")
     nan = float("nan")
@@ -283,6 +339,23 @@ def main():
               f"{r.get('flashmla_attn_us', nan):.1f} us {r.get('flashmla_attn_tbps', nan):.2f} "
               f"({r.get('flashmla_attn_copy_frac', nan):.0%})  whole {r.get('ours_whole_tbps', nan):.2f}  "
               f"eager {r.get('eager_attn_tbps', nan):.2f}")
+    print("prefill summary (M tok/s; attention TFLOP/s):")
+    for r in result["prefill"]:
+        print(f"  T={r['tokens']:6d} H={r['heads']:3d} {r['ours_path']}: {r['ours_whole_mtok_s']:.3f} "
+              f"({r['ours_whole_attn_tflops']:.0f})  absorbed {r['ours_absorbed_mtok_s']:.3f}  SDPA attn "
+              f"{r['sdpa_attn_mtok_s']:.3f} ({r['sdpa_attn_attn_tflops']:.0f})  SDPA+expand "
+              f"{r['sdpa_whole_mtok_s']:.3f}  ours/SDPA {r['ours_vs_sdpa_attn_speed']:.2f}  err "
+              f"{r['ours_vs_sdpa_rel_err']:.1e}")
+    for r in result["prefill_chunks"]:
+        print(f"  ctx={r['context']} n={r['tokens']:4d} H={r['heads']:3d}: expanded {r['expanded_ms']:.3f} ms, "
+              f"absorbed {r['absorbed_ms']:.3f} ms, ratio {r['expanded_vs_absorbed_speed']:.2f}, "
+              f"err {r['expanded_vs_absorbed_rel_err']:.1e}")
+    if result["decode"] and "ours_whole_us" in result["decode"][0]:
+        print("whole decode (us; FlashMLA + torch bmm):")
+        for r in result["decode"]:
+            print(f"  B={r['batch']:4d} L={r['context']:6d} H={r['heads']:4d}  ours {r['ours_whole_us']:.1f}  "
+                  f"FlashMLA+bmm {r.get('flashmla_whole_us', nan):.1f}  ratio "
+                  f"{r.get('flashmla_whole_us', nan) / r['ours_whole_us']:.2f}  eager {r['eager_whole_us']:.1f}")
 
 
 if __name__ == "__main__":

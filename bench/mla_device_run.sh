@@ -27,7 +27,7 @@ for spec in "${variants[@]}"; do
 done
 wait
 for name in "${names[@]}"; do
-  { echo "=== $name"; grep -B1 -A2 "latent_attention" "/tmp/k3mla/ptxas_$name.log" \
+  { echo "=== $name"; grep -B1 -A2 -E "latent_attention|flash_prefill|expand_latents" "/tmp/k3mla/ptxas_$name.log" \
       | grep -E "Compiling|registers|spill|error"; } >>"$out/ptxas.log"
   [[ -f "/tmp/k3mla/libk3_mla_$name.so" ]] || { cat "/tmp/k3mla/ptxas_$name.log"; exit 1; }
 done
@@ -53,5 +53,5 @@ for entry in "${libs[@]}"; do
   name="${entry%%:*}"
   echo "=== bench: $name ($SECONDS s)" | tee -a "$out/bench.log"
   K3_KERNELS_LIB="${entry#*:}" timeout 150 python3 bench/mla_bench.py --out "$out/$name" "$@" 2>&1 \
-    | tee -a "$out/bench.log" | grep -vE "^(batch|tokens)="
+    | tee -a "$out/bench.log" | grep -vE "^(batch|tokens|context)="
 done

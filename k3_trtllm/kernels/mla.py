@@ -2,9 +2,11 @@
 ``libk3_kernels.so``, sources in ``plugins/kernels/mla.cu``).
 
 Importing this module registers both kernels for CUDA tensors. They take bf16 tensors;
-other dtypes (the fp32/fp64 exactness checks) fall through to the reference ops. Both
-ops run the exact absorbed form (insert latents, q_nope·W_UK, MQA over the paged latent
-cache, ·W_UV), so prefill also covers chunked prefill.
+other dtypes (the fp32/fp64 exactness checks) fall through to the reference ops. Decode
+runs the exact absorbed form (insert latents, q_nope·W_UK, MQA over the paged latent
+cache, ·W_UV). Prefill runs the expanded form (per-head K/V expanded from the cached
+latents in bounded passes, causal flash attention) when the step has >= 384 new tokens
+per sequence on average, else the absorbed form; both cover chunked prefill.
 """
 from __future__ import annotations
 
@@ -25,8 +27,16 @@ for _name in ("k3_mla_decode", "k3_mla_prefill"):
     _fn = getattr(_LIB, _name)
     _fn.argtypes = [_p] * 10 + [_i] * 9 + [_f, _p, _sz, _p]
     _fn.restype = _i
+_LIB.k3_mla_prefill_expanded.argtypes = [_p] * 10 + [_i] * 9 + [_f, _i, _p, _sz, _p]
+_LIB.k3_mla_prefill_expanded.restype = _i
 _LIB.k3_mla_workspace_size.argtypes = [_i] * 5
 _LIB.k3_mla_workspace_size.restype = _sz
+_LIB.k3_mla_prefill_workspace_size.argtypes = [_i] * 9
+_LIB.k3_mla_prefill_workspace_size.restype = _sz
+_LIB.k3_mla_prefill_expanded_workspace_size.argtypes = [_i] * 10
+_LIB.k3_mla_prefill_expanded_workspace_size.restype = _sz
+_LIB.k3_mla_prefill_uses_expanded.argtypes = [_i] * 9 + [_sz]
+_LIB.k3_mla_prefill_uses_expanded.restype = _i
 _LIB.k3_mla_latent_attention.argtypes = [_p] * 7 + [_i] * 8 + [_f, _p, _sz, _p]
 _LIB.k3_mla_latent_attention.restype = _i
 
@@ -52,9 +62,18 @@ def _workspace(num_tokens: int, num_heads: int, rank: int, block_tables: torch.T
     return torch.empty(max(size, 1), dtype=torch.uint8, device=device)
 
 
-def _run(entry, reference, q, latent, w_uk, w_uv, cu_seqlens, context_lens, block_tables, slot_mapping,
-         latent_cache, num_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, v_head_dim,
-         softmax_scale):
+def _sizes(q, context_lens, block_tables, latent_cache, num_heads, qk_nope_head_dim, qk_rope_head_dim,
+           kv_lora_rank, v_head_dim) -> tuple[int, ...]:
+    """The size arguments of the prefill workspace queries, in their order."""
+    return (q.shape[0], context_lens.shape[0], num_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank,
+            v_head_dim, block_tables.shape[1], latent_cache.shape[1])
+
+
+def _run(entry, reference, workspace_bytes, q, latent, w_uk, w_uv, cu_seqlens, context_lens, block_tables,
+         slot_mapping, latent_cache, num_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, v_head_dim,
+         softmax_scale, *extra):
+    """Validate, allocate out and `workspace_bytes(...)` of workspace, call the C entry with
+    `extra` int arguments after softmax_scale."""
     args = (q, latent, w_uk, w_uv, cu_seqlens, context_lens, block_tables, slot_mapping, latent_cache,
             num_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, v_head_dim, softmax_scale)
     floats = (q, latent, w_uk, w_uv, latent_cache)
@@ -83,24 +102,49 @@ def _run(entry, reference, q, latent, w_uk, w_uv, cu_seqlens, context_lens, bloc
     if num_tokens == 0:
         return out
     block_size = latent_cache.shape[1]
+    sizes = _sizes(q, context_lens, block_tables, latent_cache, num_heads, qk_nope_head_dim, qk_rope_head_dim,
+                   kv_lora_rank, v_head_dim)
     with torch.cuda.device(q.device):  # the launcher sizes splits for, and launches on, the current device
-        ws = _workspace(num_tokens, num_heads, kv_lora_rank, block_tables, block_size, q.device)
+        ws = torch.empty(max(workspace_bytes(*sizes), 1), dtype=torch.uint8, device=q.device)
         status = entry(
             q.data_ptr(), latent.data_ptr(), w_uk.data_ptr(), w_uv.data_ptr(), cu_seqlens.data_ptr(),
             context_lens.data_ptr(), block_tables.data_ptr(), slot_mapping.data_ptr(), latent_cache.data_ptr(),
             out.data_ptr(), num_tokens, num_seqs, block_tables.shape[1], block_size, num_heads, qk_nope_head_dim,
-            qk_rope_head_dim, kv_lora_rank, v_head_dim, float(softmax_scale), ws.data_ptr(), ws.numel(),
+            qk_rope_head_dim, kv_lora_rank, v_head_dim, float(softmax_scale), *extra, ws.data_ptr(), ws.numel(),
             torch.cuda.current_stream(q.device).cuda_stream)
     check(status, entry.__name__)
     return out
 
 
+def _decode_workspace(num_tokens, num_seqs, num_heads, nope, rope, rank, v_dim, max_blocks, block_size):
+    return _LIB.k3_mla_workspace_size(num_tokens, num_heads, rank, max_blocks, block_size)
+
+
 def mla_decode_cuda(*args) -> torch.Tensor:
-    return _run(_LIB.k3_mla_decode, _reference.mla_decode, *args)
+    return _run(_LIB.k3_mla_decode, _reference.mla_decode, _decode_workspace, *args)
 
 
 def mla_prefill_cuda(*args) -> torch.Tensor:
-    return _run(_LIB.k3_mla_prefill, _reference.mla_prefill, *args)
+    return _run(_LIB.k3_mla_prefill, _reference.mla_prefill, _LIB.k3_mla_prefill_workspace_size, *args)
+
+
+def prefill_expanded(*args, key_chunk: int = 0) -> torch.Tensor:
+    """``k3::mla_prefill``'s arguments, always through the expanded form (tests, benchmarks),
+    with passes of ``key_chunk`` keys (0: the default cap)."""
+    def workspace_bytes(*sizes):
+        size = _LIB.k3_mla_prefill_expanded_workspace_size(*sizes, key_chunk)
+        _require(size > 0, "prefill_expanded: these head dims or sizes are not supported by the expanded form")
+        return size
+    return _run(_LIB.k3_mla_prefill_expanded, _reference.mla_prefill, workspace_bytes, *args, key_chunk)
+
+
+def prefill_uses_expanded(num_tokens: int, num_seqs: int, num_heads: int, qk_nope_head_dim: int,
+                          qk_rope_head_dim: int, kv_lora_rank: int, v_head_dim: int, max_blocks: int,
+                          block_size: int) -> bool:
+    """Whether ``k3::mla_prefill`` takes the expanded form for these sizes (its own workspace)."""
+    sizes = (num_tokens, num_seqs, num_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, v_head_dim,
+             max_blocks, block_size)
+    return bool(_LIB.k3_mla_prefill_uses_expanded(*sizes, _LIB.k3_mla_prefill_workspace_size(*sizes)))
 
 
 def latent_attention(q_lat: torch.Tensor, q: torch.Tensor, cu_seqlens: torch.Tensor, context_lens: torch.Tensor,

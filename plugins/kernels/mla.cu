@@ -1,25 +1,38 @@
 // C-ABI launchers of the K3 MLA ops (contract MLA_PREFILL / MLA_DECODE, spec §4.4, §6.1).
 //
-// Both ops run the absorbed form, which is exact (spec §4.4.5): insert this step's latent
-// rows at slot_mapping, q_lat = q_nope·W_UK per head, causal MQA over the paged latent
-// cache (split-KV + combine), out = a_lat·W_UV^T per head. Prefill therefore also serves
-// chunked prefill (context already cached) and any mix of new-token counts per sequence.
+// Absorbed form (exact, spec §4.4.5; every decode, short prefill chunks): insert this
+// step's latent rows at slot_mapping, q_lat = q_nope·W_UK per head, causal MQA over the
+// paged latent cache (split-KV + combine), out = a_lat·W_UV^T per head. It serves any mix
+// of new-token counts per sequence, chunked prefill included.
+//
+// Expanded form (prefill with >= kExpandedMinTokensPerSeq new tokens per sequence on
+// average, spec §4.4.3): insert, then per pass of at most a fixed number of keys expand the
+// cached latents into per-head K_nope / V (a GEMM reading the paged cache) and run causal
+// flash attention (Dqk = DN+DR, k_pe shared by all heads) over them; several passes merge
+// through an fp32 log-sum-exp accumulator. It does 2·(DN+DR+DV) FLOP per query-key-head
+// instead of 2·(R+DR+R) (3.4x fewer at K3 dims) plus 2·R·(DN+DV) per key and head for the
+// expansion, which a chunk of >= 384 new tokens per sequence amortises even over a long
+// context (bench/NOTES_mla.md).
 //
 // Supported: bf16 tensors, (kv_lora_rank, qk_rope_head_dim) in {(512, 64), (64, 16)},
 // qk_nope_head_dim % 32 == 0, v_head_dim % 8 == 0, any block_size >= 1; every tensor
-// contiguous and 16-byte aligned. Other shapes return cudaErrorInvalidValue.
+// contiguous and 16-byte aligned. Other shapes return cudaErrorInvalidValue. The expanded
+// form needs (DN, DR, DV) in {(128, 64, 128), (32, 16, 32)}; other prefills run absorbed.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 
 #include "k3/mla_api.h"
+#include "k3/mla/flash_attention.cuh"
 #include "k3/mla/head_gemm.cuh"
 #include "k3/mla/insert.cuh"
 #include "k3/mla/latent_attention.cuh"
 #include "k3/mla/latent_attention_wgmma.cuh"
+#include "k3/mla/prefill_expanded.cuh"
 
 namespace {
 
@@ -251,11 +264,213 @@ cudaError_t mla_forward(const void* q, const void* latent, const void* w_uk, con
   return head_gemm<true>(up, num_heads, stream);
 }
 
+// ---- Expanded prefill -------------------------------------------------------------------
+
+// Dispatch rule (host side, no device data): the expanded form when the step has at least
+// this many new tokens per sequence on average. For a chunk of n new tokens after a context
+// of c >> n both forms cost ~ c: the absorbed one n·c·2176 FLOP per head, the expanded one
+// the expansion of all c keys (2·R·(DN+DV) = 262144 FLOP per key and head) plus attention
+// over them, which few query tiles cannot spread over the GPU. So the break-even n hardly
+// depends on c: measured at c = 16384 it is ~370 at both 96 and 12 heads (n = 128: expanded
+// 0.4x the absorbed speed, n = 512: 1.2-1.3x; bench/NOTES_mla.md). Fresh prefills gain
+// earlier (T = 2048, no context: 2.2x), so the rule is conservative there.
+constexpr int kExpandedMinTokensPerSeq = 384;
+// Per-pass K/V buffers are capped at this many bytes, i.e. at 10880 keys for K3 at 96
+// heads and 85504 at 12: longer key ranges (100k+ contexts) take several passes.
+constexpr size_t kPassBufferBytes = size_t{512} << 20;
+constexpr int kPassKeysAlign = k3::mla::kExpandBM;
+// Query tiles of 256 rows (two 16-row blocks per warp: half the K/V fragment loads per
+// MMA; 1.25x the 128-row kernel at T = 16384, bench/NOTES_mla.md) while they still give
+// every SM >= 4 items to balance; 128 rows otherwise.
+constexpr int kWideItemsPerSm = 4;
+
+bool expanded_supported(int rank, int rope, int nope, int v_dim) {
+  return supported(rank, rope, nope, v_dim) &&
+         ((nope == 128 && rope == 64 && v_dim == 128) || (nope == 32 && rope == 16 && v_dim == 32));
+}
+
+bool prefer_expanded(int num_tokens, int num_seqs) {
+  return static_cast<int64_t>(num_tokens) >= static_cast<int64_t>(kExpandedMinTokensPerSeq) * num_seqs;
+}
+
+struct ExpandedLayout {
+  int* key_offsets;
+  int* tile_offsets;
+  bf16* k_nope;
+  bf16* v;
+  bf16* k_pe;
+  float* acc;      // several passes only
+  float* acc_lse;  // several passes only
+  size_t bytes;
+};
+
+ExpandedLayout carve_expanded(void* base, int num_tokens, int num_seqs, int num_heads, int nope, int rope,
+                              int v_dim, int64_t pass_keys, bool several_passes) {
+  const size_t offsets = align256((static_cast<size_t>(num_seqs) + 1) * sizeof(int));
+  const size_t k_nope = align256(pass_keys * num_heads * nope * sizeof(bf16));
+  const size_t v = align256(pass_keys * num_heads * v_dim * sizeof(bf16));
+  const size_t k_pe = align256(pass_keys * rope * sizeof(bf16));
+  const size_t rows = static_cast<size_t>(num_tokens) * num_heads;
+  const size_t acc = several_passes ? align256(rows * v_dim * sizeof(float)) : 0;
+  char* p = static_cast<char*>(base);
+  ExpandedLayout l{};
+  l.key_offsets = reinterpret_cast<int*>(p);
+  l.tile_offsets = reinterpret_cast<int*>(p + offsets);
+  l.k_nope = reinterpret_cast<bf16*>(p + 2 * offsets);
+  l.v = reinterpret_cast<bf16*>(p + 2 * offsets + k_nope);
+  l.k_pe = reinterpret_cast<bf16*>(p + 2 * offsets + k_nope + v);
+  l.acc = reinterpret_cast<float*>(p + 2 * offsets + k_nope + v + k_pe);
+  l.acc_lse = reinterpret_cast<float*>(p + 2 * offsets + k_nope + v + k_pe + acc);
+  l.bytes = 2 * offsets + k_nope + v + k_pe + acc + (several_passes ? align256(rows * sizeof(float)) : 0);
+  return l;
+}
+
+struct ExpandedPlan {
+  bool ok;
+  bool several_passes;
+  int pass_keys;
+  int passes;
+  size_t bytes;
+};
+
+// Keys per pass and pass count for an upper bound of the step's keys, Σ_b (context_b +
+// new_b) <= B · max_blocks · block_size (the host cannot read the lengths; passes past the
+// real end cost one early exit per CTA). One pass if the bound fits the cap and the
+// workspace; otherwise passes of the cap (or key_chunk, for tests), shrunk to fit
+// `available` bytes.
+ExpandedPlan plan_expanded(int num_tokens, int num_seqs, int num_heads, int nope, int rope, int v_dim,
+                           int max_blocks, int block_size, size_t available, int key_chunk) {
+  ExpandedPlan plan{};
+  const int64_t key_bound = static_cast<int64_t>(num_seqs) * max_blocks * block_size;
+  if (key_bound > INT_MAX / 2) return plan;
+  const int64_t per_key = static_cast<int64_t>(num_heads) * (nope + v_dim) * 2 + rope * 2;
+  const int64_t cap = key_chunk > 0 ? (static_cast<int64_t>(key_chunk) + kPassKeysAlign - 1) / kPassKeysAlign * kPassKeysAlign
+                                    : std::max<int64_t>(kPassKeysAlign, static_cast<int64_t>(kPassBufferBytes) / per_key /
+                                                                            kPassKeysAlign * kPassKeysAlign);
+  const int64_t whole = (key_bound + kPassKeysAlign - 1) / kPassKeysAlign * kPassKeysAlign;
+  int64_t keys = whole;
+  bool several = whole > cap;
+  if (!several && carve_expanded(nullptr, num_tokens, num_seqs, num_heads, nope, rope, v_dim, whole, false).bytes >
+                      available)
+    several = true;
+  if (several) {
+    const size_t fixed = carve_expanded(nullptr, num_tokens, num_seqs, num_heads, nope, rope, v_dim, 0, true).bytes;
+    if (available < fixed + 3 * 256) return plan;
+    const int64_t fit = static_cast<int64_t>((available - fixed - 3 * 256) / per_key) / kPassKeysAlign * kPassKeysAlign;
+    keys = std::min(cap, fit);
+    if (keys < kPassKeysAlign) return plan;
+  }
+  plan.several_passes = several;
+  plan.pass_keys = static_cast<int>(keys);
+  plan.passes = static_cast<int>((key_bound + keys - 1) / keys);
+  plan.bytes = carve_expanded(nullptr, num_tokens, num_seqs, num_heads, nope, rope, v_dim, keys, several).bytes;
+  plan.ok = plan.bytes <= available;
+  return plan;
+}
+
+template <int DN, int DR, int DV, int MB>
+cudaError_t launch_flash(const k3::mla::FlashParams& p, cudaStream_t stream) {
+  using C = k3::mla::FlashConfig<DN, DR, DV, MB>;
+  auto kernel = k3::mla::flash_prefill_kernel<DN, DR, DV, MB>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(C::SMEM_BYTES));
+  if (err != cudaSuccess) return err;
+  const int64_t items = static_cast<int64_t>(p.tile_bound) * p.num_heads;
+  kernel<<<static_cast<unsigned>(std::min<int64_t>(items, sm_count())), C::THREADS, C::SMEM_BYTES, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t expanded_forward(const bf16* q, const bf16* latent, const bf16* w_uk, const bf16* w_uv,
+                             const int* cu_seqlens, const int* context_lens, const int* block_tables,
+                             const int* slot_mapping, bf16* cache, bf16* out, int num_tokens, int num_seqs,
+                             int max_blocks, int block_size, int num_heads, int nope, int rope, int rank,
+                             int v_dim, float softmax_scale, const ExpandedPlan& plan, void* workspace,
+                             cudaStream_t stream) {
+  const ExpandedLayout l = carve_expanded(workspace, num_tokens, num_seqs, num_heads, nope, rope, v_dim,
+                                          plan.pass_keys, plan.several_passes);
+  const int wide_rows = k3::mla::FlashConfig<128, 64, 128, 2>::BM;
+  const bool wide = static_cast<int64_t>((num_tokens + wide_rows - 1) / wide_rows + num_seqs) * num_heads >=
+                    static_cast<int64_t>(kWideItemsPerSm) * sm_count();
+  const int tile_rows = wide ? wide_rows : k3::mla::FlashConfig<128, 64, 128, 1>::BM;
+  k3::mla::insert_latents_kernel<<<num_tokens, 64, 0, stream>>>(latent, slot_mapping, cache, rank + rope);
+  k3::mla::prefill_offsets_kernel<<<1, 256, 0, stream>>>(cu_seqlens, context_lens, num_seqs, tile_rows,
+                                                         l.key_offsets, l.tile_offsets);
+  const int64_t rows = static_cast<int64_t>(num_tokens) * num_heads;
+  if (plan.several_passes)
+    k3::mla::fill_neg_inf_kernel<<<static_cast<unsigned>(std::min<int64_t>((rows + 255) / 256, 4096)), 256, 0,
+                                   stream>>>(l.acc_lse, rows);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  err = cudaFuncSetAttribute(k3::mla::expand_latents_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(k3::mla::kExpandSmemBytes));
+  if (err != cudaSuccess) return err;
+
+  k3::mla::ExpandParams e{};
+  e.cache = cache;
+  e.block_tables = block_tables;
+  e.key_offsets = l.key_offsets;
+  e.w_uk = w_uk;
+  e.w_uv = w_uv;
+  e.k_nope = l.k_nope;
+  e.v = l.v;
+  e.k_pe = l.k_pe;
+  e.num_seqs = num_seqs;
+  e.max_blocks = max_blocks;
+  e.block_size = block_size;
+  e.n_k = num_heads * nope;
+  e.n_v = num_heads * v_dim;
+  e.rank = rank;
+  e.rope = rope;
+  e.pass_keys = plan.pass_keys;
+  const int64_t expand_items = static_cast<int64_t>(plan.pass_keys / k3::mla::kExpandBM) *
+                               ((e.n_k + k3::mla::kExpandBN - 1) / k3::mla::kExpandBN +
+                                (e.n_v + k3::mla::kExpandBN - 1) / k3::mla::kExpandBN);
+  const unsigned expand_grid = static_cast<unsigned>(std::min<int64_t>(expand_items, 2 * sm_count()));
+
+  k3::mla::FlashParams f{};
+  f.q = q;
+  f.k_nope = l.k_nope;
+  f.k_pe = l.k_pe;
+  f.v = l.v;
+  f.cu_seqlens = cu_seqlens;
+  f.context_lens = context_lens;
+  f.key_offsets = l.key_offsets;
+  f.tile_offsets = l.tile_offsets;
+  f.out = out;
+  f.acc = plan.several_passes ? l.acc : nullptr;
+  f.acc_lse = plan.several_passes ? l.acc_lse : nullptr;
+  f.num_seqs = num_seqs;
+  f.num_heads = num_heads;
+  f.tile_bound = (num_tokens + tile_rows - 1) / tile_rows + num_seqs;
+  f.pass_keys = plan.pass_keys;
+  f.scale_log2 = softmax_scale * 1.4426950408889634f;
+
+  for (int pass = 0; pass < plan.passes; ++pass) {
+    e.pass_begin = f.pass_begin = pass * plan.pass_keys;
+    k3::mla::expand_latents_kernel<<<expand_grid, k3::mla::kExpandThreads, k3::mla::kExpandSmemBytes, stream>>>(e);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    if (nope == 128)
+      err = wide ? launch_flash<128, 64, 128, 2>(f, stream) : launch_flash<128, 64, 128, 1>(f, stream);
+    else
+      err = wide ? launch_flash<32, 16, 32, 2>(f, stream) : launch_flash<32, 16, 32, 1>(f, stream);
+    if (err != cudaSuccess) return err;
+  }
+  if (plan.several_passes)
+    k3::mla::finalize_passes_kernel<<<static_cast<unsigned>(std::min<int64_t>((rows * v_dim / 2 + 255) / 256, 8192)),
+                                      256, 0, stream>>>(l.acc, out, rows * v_dim);
+  return cudaGetLastError();
+}
+
+bool valid_sizes(int num_tokens, int num_seqs, int max_blocks, int block_size, int num_heads) {
+  return num_heads > 0 && num_seqs > 0 && block_size > 0 && max_blocks > 0 && num_tokens >= 0;
+}
+
 }  // namespace
 
 extern "C" {
 
-// Workspace bytes of k3_mla_prefill / k3_mla_decode for these sizes (same for both).
+// Workspace bytes of k3_mla_decode, and enough for k3_mla_prefill (its expanded form fits
+// its key passes into whatever it is given); k3_mla_prefill_workspace_size is the prefill's own need.
 size_t k3_mla_workspace_size(int num_tokens, int num_heads, int kv_lora_rank, int max_blocks, int block_size) {
   if (num_tokens <= 0 || num_heads <= 0 || max_blocks <= 0 || block_size <= 0) return 0;
   const SplitPlan plan = plan_splits(num_tokens, num_heads, kv_lora_rank, max_blocks, block_size);
@@ -278,9 +493,74 @@ int k3_mla_prefill(const void* q, const void* latent, const void* w_uk, const vo
                    void* out, int num_tokens, int num_seqs, int max_blocks, int block_size, int num_heads,
                    int qk_nope_head_dim, int qk_rope_head_dim, int kv_lora_rank, int v_head_dim,
                    float softmax_scale, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  if (workspace != nullptr && num_tokens > 0 && valid_sizes(num_tokens, num_seqs, max_blocks, block_size, num_heads) &&
+      k3_mla_prefill_uses_expanded(num_tokens, num_seqs, num_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank,
+                                   v_head_dim, max_blocks, block_size, workspace_bytes)) {
+    const ExpandedPlan plan = plan_expanded(num_tokens, num_seqs, num_heads, qk_nope_head_dim, qk_rope_head_dim,
+                                            v_head_dim, max_blocks, block_size, workspace_bytes, 0);
+    return expanded_forward(static_cast<const bf16*>(q), static_cast<const bf16*>(latent),
+                            static_cast<const bf16*>(w_uk), static_cast<const bf16*>(w_uv), cu_seqlens, context_lens,
+                            block_tables, slot_mapping, static_cast<bf16*>(latent_cache), static_cast<bf16*>(out),
+                            num_tokens, num_seqs, max_blocks, block_size, num_heads, qk_nope_head_dim,
+                            qk_rope_head_dim, kv_lora_rank, v_head_dim, softmax_scale, plan, workspace, stream);
+  }
   return mla_forward(q, latent, w_uk, w_uv, cu_seqlens, context_lens, block_tables, slot_mapping, latent_cache,
                      out, num_tokens, num_seqs, max_blocks, block_size, num_heads, qk_nope_head_dim,
                      qk_rope_head_dim, kv_lora_rank, v_head_dim, softmax_scale, workspace, workspace_bytes, stream);
+}
+
+int k3_mla_prefill_uses_expanded(int num_tokens, int num_seqs, int num_heads, int qk_nope_head_dim,
+                                 int qk_rope_head_dim, int kv_lora_rank, int v_head_dim, int max_blocks,
+                                 int block_size, size_t workspace_bytes) {
+  if (!valid_sizes(num_tokens, num_seqs, max_blocks, block_size, num_heads) || num_tokens == 0 ||
+      !expanded_supported(kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim) ||
+      !prefer_expanded(num_tokens, num_seqs))
+    return 0;
+  return plan_expanded(num_tokens, num_seqs, num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, max_blocks,
+                       block_size, workspace_bytes, 0)
+      .ok;
+}
+
+size_t k3_mla_prefill_workspace_size(int num_tokens, int num_seqs, int num_heads, int qk_nope_head_dim,
+                                     int qk_rope_head_dim, int kv_lora_rank, int v_head_dim, int max_blocks,
+                                     int block_size) {
+  if (k3_mla_prefill_uses_expanded(num_tokens, num_seqs, num_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank,
+                                   v_head_dim, max_blocks, block_size, SIZE_MAX))
+    return plan_expanded(num_tokens, num_seqs, num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, max_blocks,
+                         block_size, SIZE_MAX, 0)
+        .bytes;
+  return k3_mla_workspace_size(num_tokens, num_heads, kv_lora_rank, max_blocks, block_size);
+}
+
+size_t k3_mla_prefill_expanded_workspace_size(int num_tokens, int num_seqs, int num_heads, int qk_nope_head_dim,
+                                              int qk_rope_head_dim, int kv_lora_rank, int v_head_dim,
+                                              int max_blocks, int block_size, int key_chunk) {
+  if (!valid_sizes(num_tokens, num_seqs, max_blocks, block_size, num_heads) ||
+      !expanded_supported(kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim))
+    return 0;
+  const ExpandedPlan plan = plan_expanded(num_tokens, num_seqs, num_heads, qk_nope_head_dim, qk_rope_head_dim,
+                                          v_head_dim, max_blocks, block_size, SIZE_MAX, key_chunk);
+  return plan.ok ? plan.bytes : 0;
+}
+
+int k3_mla_prefill_expanded(const void* q, const void* latent, const void* w_uk, const void* w_uv,
+                            const int* cu_seqlens, const int* context_lens, const int* block_tables,
+                            const int* slot_mapping, void* latent_cache, void* out, int num_tokens, int num_seqs,
+                            int max_blocks, int block_size, int num_heads, int qk_nope_head_dim,
+                            int qk_rope_head_dim, int kv_lora_rank, int v_head_dim, float softmax_scale,
+                            int key_chunk, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  if (!valid_sizes(num_tokens, num_seqs, max_blocks, block_size, num_heads) ||
+      !expanded_supported(kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim))
+    return cudaErrorInvalidValue;
+  if (num_tokens == 0) return cudaSuccess;
+  const ExpandedPlan plan = plan_expanded(num_tokens, num_seqs, num_heads, qk_nope_head_dim, qk_rope_head_dim,
+                                          v_head_dim, max_blocks, block_size, workspace_bytes, key_chunk);
+  if (workspace == nullptr || !plan.ok) return cudaErrorInvalidValue;
+  return expanded_forward(static_cast<const bf16*>(q), static_cast<const bf16*>(latent),
+                          static_cast<const bf16*>(w_uk), static_cast<const bf16*>(w_uv), cu_seqlens, context_lens,
+                          block_tables, slot_mapping, static_cast<bf16*>(latent_cache), static_cast<bf16*>(out),
+                          num_tokens, num_seqs, max_blocks, block_size, num_heads, qk_nope_head_dim, qk_rope_head_dim,
+                          kv_lora_rank, v_head_dim, softmax_scale, plan, workspace, stream);
 }
 
 // The attention part alone (FlashMLA's scope), for benchmarks and callers that do the W_UK /

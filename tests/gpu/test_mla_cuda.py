@@ -1,14 +1,19 @@
 """CUDA MLA kernels (plugins/kernels/mla.cu) against the fp32 reference ops.
 
 Skipped without CUDA. Needs the kernel library (build_scripts/build_kernels.sh or
-K3_KERNELS_LIB). Tolerance: relative Frobenius error <= 1e-2. Inputs and output are
-bf16 and both sides accumulate in fp32; the kernels additionally round the absorbed
-query q_nope·W_UK, the probabilities and the latent output a_lat to bf16 (each a relative
-error of at most 2^-9 per element, random in sign), which lands near 3e-3 in practice;
-a wrong mask, a missing split or a stale tile moves the error to O(1e-1) or more.
+K3_KERNELS_LIB). Tolerance: relative Frobenius error <= 1e-2 for both forms. Inputs and
+output are bf16 and both sides accumulate in fp32. The absorbed kernels additionally round
+the absorbed query q_nope·W_UK, the probabilities and the latent output a_lat to bf16; the
+expanded prefill rounds the expanded K_nope = W_UK·ĉ_kv and V = W_UV·ĉ_kv (as a bf16 model
+does) and the probabilities. Each is a relative error of at most 2^-9 per element, random
+in sign, three of them in series: ~3e-3 to 5e-3 in practice (session-10 absorbed prefill
+vs SDPA: 4.3e-3 to 4.7e-3). A wrong mask, a missing pass or split, a misplaced pass
+boundary or a stale tile moves the error to O(1e-1) or more.
 The latent cache must equal the reference's bit for bit (both copy the same bf16 rows).
 """
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -138,3 +143,34 @@ def test_latent_attention_matches_absorbed_formula(ops):
     want = probs @ rows[:, :rank]
     err = ((a_lat[0].float() - want).norm() / want.norm()).item()
     assert err <= TOL, f"relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("heads,dims", [(96, K3), (12, K3), (3, TINY)])
+@pytest.mark.parametrize("key_chunk", [0, 384])
+def test_expanded_prefill_mixed_contexts(ops, heads, dims, key_chunk):
+    """The expanded form forced: contexts 0, 1, 63, 64 and > 1000 already cached, new-token
+    counts crossing the 128-row query tile, an empty sequence. key_chunk 384 splits the
+    ~3000 keys into passes whose boundaries fall inside sequences and key tiles, merged
+    through the fp32 log-sum-exp accumulator; 0 is one pass. 3 tiny heads give a partial
+    column tile in the expansion GEMM."""
+    cuda_mla, reference = ops
+    contexts, new = [0, 1, 63, 64, 1000, 1300, 40], [200, 130, 1, 64, 257, 0, 129]
+    step = make_step(heads, dims, contexts, new, 64, seed=7 * heads + key_chunk)
+    kernel = functools.partial(cuda_mla.prefill_expanded, key_chunk=key_chunk)
+    res = run_both(kernel, reference.mla_prefill, step, heads, dims)
+    assert_close(*res, step["latent_cache"])
+
+
+@pytest.mark.parametrize("heads", [96, 12])
+def test_prefill_dispatch(ops, heads):
+    """The op picks the expanded form for >= 384 new tokens per sequence on average (here a
+    600-token chunk after a 2500-token context, block size 80) and the absorbed one below
+    (80 per sequence); both match the reference."""
+    cuda_mla, reference = ops
+    for contexts, new, expanded in (([2500], [600], True), ([2500, 3], [100, 60], False)):
+        step = make_step(heads, K3, contexts, new, 80, seed=heads + len(new))
+        sizes = (sum(new), len(new), heads, K3["nope"], K3["rope"], K3["rank"], K3["v"],
+                 step["block_tables"].shape[1], 80)
+        assert cuda_mla.prefill_uses_expanded(*sizes) == expanded
+        res = run_both(cuda_mla.mla_prefill_cuda, reference.mla_prefill, step, heads, K3)
+        assert_close(*res, step["latent_cache"])

@@ -9,11 +9,28 @@
 extern "C" {
 #endif
 
-// Workspace bytes of k3_mla_prefill / k3_mla_decode for these sizes (same for both).
+// Workspace bytes of k3_mla_decode, and enough for k3_mla_prefill too (the expanded prefill
+// fits its key passes into what it is given, else the prefill runs absorbed).
 size_t k3_mla_workspace_size(int num_tokens, int num_heads, int kv_lora_rank, int max_blocks, int block_size);
 
+// Workspace bytes of k3_mla_prefill for the path its dispatch rule picks with unlimited
+// workspace: the expanded form's (per-pass K/V buffers capped at 512 MB, plus T*H*(Dv+1)
+// fp32 accumulators when the key bound B*max_blocks*block_size needs several passes), or
+// k3_mla_workspace_size where the prefill runs absorbed.
+size_t k3_mla_prefill_workspace_size(int num_tokens, int num_seqs, int num_heads, int qk_nope_head_dim,
+                                     int qk_rope_head_dim, int kv_lora_rank, int v_head_dim, int max_blocks,
+                                     int block_size);
+
+// 1 if k3_mla_prefill takes the expanded form with this workspace: supported head dims,
+// num_tokens >= 384 * num_seqs (few new tokens over a long context stay absorbed) and
+// enough workspace for at least 128 keys per pass; else 0 (absorbed form).
+int k3_mla_prefill_uses_expanded(int num_tokens, int num_seqs, int num_heads, int qk_nope_head_dim,
+                                 int qk_rope_head_dim, int kv_lora_rank, int v_head_dim, int max_blocks,
+                                 int block_size, size_t workspace_bytes);
+
 // Contracts K3MlaDecode / K3MlaPrefill. Argument order: inputs, outputs, sizes,
-// attributes, workspace, stream. Both insert the new latents and run the absorbed form.
+// attributes, workspace, stream. Both insert the new latents; decode runs the absorbed
+// form, prefill the expanded or the absorbed one (k3_mla_prefill_uses_expanded).
 int k3_mla_decode(const void* q, const void* latent, const void* w_uk, const void* w_uv, const int* cu_seqlens,
                   const int* context_lens, const int* block_tables, const int* slot_mapping, void* latent_cache,
                   void* out, int num_tokens, int num_seqs, int max_blocks, int block_size, int num_heads,
@@ -24,6 +41,18 @@ int k3_mla_prefill(const void* q, const void* latent, const void* w_uk, const vo
                    void* out, int num_tokens, int num_seqs, int max_blocks, int block_size, int num_heads,
                    int qk_nope_head_dim, int qk_rope_head_dim, int kv_lora_rank, int v_head_dim,
                    float softmax_scale, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+// The expanded prefill whatever the dispatch rule says (tests, benchmarks), with passes of
+// key_chunk keys (0: the default cap); 0 workspace bytes if unsupported.
+size_t k3_mla_prefill_expanded_workspace_size(int num_tokens, int num_seqs, int num_heads, int qk_nope_head_dim,
+                                              int qk_rope_head_dim, int kv_lora_rank, int v_head_dim,
+                                              int max_blocks, int block_size, int key_chunk);
+int k3_mla_prefill_expanded(const void* q, const void* latent, const void* w_uk, const void* w_uv,
+                            const int* cu_seqlens, const int* context_lens, const int* block_tables,
+                            const int* slot_mapping, void* latent_cache, void* out, int num_tokens, int num_seqs,
+                            int max_blocks, int block_size, int num_heads, int qk_nope_head_dim,
+                            int qk_rope_head_dim, int kv_lora_rank, int v_head_dim, float softmax_scale,
+                            int key_chunk, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // The attention part alone (FlashMLA's scope), for benchmarks and callers that do the W_UK /
 // W_UV products themselves: a_lat [T,H,R] from q_lat [T,H,R] and q_pe = q[:, :, nope:].
