@@ -1,14 +1,18 @@
 """KDA prefill / decode on the GPU: ours (plugins/kernels/kda.cu) next to FlashKDA and FLA.
 
 Run on the GPU machine, in one process, so that every number shares the card's state:
-    python3 bench/kda_bench.py --out DIR [--decode-only] [--decode-batches 1 64 256]
+    python3 bench/kda_bench.py --out DIR [--decode-only | --prefill-only] [--shapes T4096_H96 ...]
+                               [--decode-batches 1 64 256] [--no-fla]
+    python3 bench/kda_bench.py --plot RESULTS.json PNG      (re-plot a results file, no GPU)
 Peers, if importable: FlashKDA = ``_flashkda_C.abi3.so`` from the vllm==0.33.0 wheel
 (path in --flashkda), FLA = ``fla-core==0.6.0`` (chunk_kda / fused_recurrent_kda).
 Our kernels are timed through their C launchers (no torch-side argument checks), the peers
 through their Python entry points. Ours includes the short conv + SiLU (raw qkv in);
 FlashKDA and FLA start from post-conv q, k, v (vLLM runs the conv as a separate kernel),
 so their numbers leave that pass out. Times: triton.testing.do_bench medians (events,
-L2 flushed between runs). Writes DIR/kda_h200.json and DIR/kda_h200.png.
+L2 flushed between runs). Every prefill shape is also checked: our chunked prefill against
+our token-recurrent decode kernel on the same inputs (relative Frobenius error of the output
+and the final state). Writes DIR/kda_h200.json and DIR/kda_h200.png.
 """
 from __future__ import annotations
 
@@ -16,13 +20,13 @@ import argparse
 import datetime
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import traceback
 from pathlib import Path
 
 import torch
-import triton.testing
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -43,6 +47,7 @@ DECODE_HEADS = 96
 
 
 def median_ms(fn) -> float:
+    import triton.testing  # GPU machine only; --plot runs without it
     fn()
     torch.cuda.synchronize()
     return float(triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
@@ -58,6 +63,8 @@ def source_hash() -> str:
 
 
 def commit_id() -> str:
+    if os.environ.get("K3_COMMIT"):
+        return os.environ["K3_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
@@ -125,6 +132,24 @@ def decode_errors(x) -> dict[str, float]:
         return float((a - b).norm() / b.norm())
     return dict(out=rel(mine["out"], ref_out), state=rel(mine["recurrent_state"], cpu["recurrent_state"]),
                 conv_state_exact=bool(torch.equal(mine["conv_state"].cpu(), cpu["conv_state"])))
+
+
+def prefill_vs_recurrence(x) -> dict[str, float]:
+    """Our chunked prefill against our token-recurrent kernel (fp32 throughout) on copies of
+    the same inputs: relative Frobenius errors of the output and the final state."""
+    runs = {}
+    for name in ("k3_kda_prefill", "k3_kda_decode"):
+        mine = dict(x, conv_state=x["conv_state"].clone(), recurrent_state=x["recurrent_state"].clone(),
+                    out=torch.full_like(x["out"], float("nan")))
+        ours(name, mine)()
+        runs[name] = mine
+    torch.cuda.synchronize()
+
+    def rel(a, b):
+        a, b = a.double(), b.double()
+        return float((a - b).norm() / b.norm())
+    p, d = runs["k3_kda_prefill"], runs["k3_kda_decode"]
+    return dict(out=rel(p["out"], d["out"]), state=rel(p["recurrent_state"], d["recurrent_state"]))
 
 
 def kernel_breakdown(x) -> dict[str, float]:
@@ -221,13 +246,21 @@ def ratio(a, b):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path)
     ap.add_argument("--flashkda", type=Path, default=ROOT / ".carry/_flashkda_C.abi3.so")
     ap.add_argument("--no-fla", action="store_true", help="skip FLA (its Triton autotuning is slow)")
     ap.add_argument("--decode-only", action="store_true", help="skip the prefill shapes")
+    ap.add_argument("--prefill-only", action="store_true", help="skip the decode batches")
+    ap.add_argument("--shapes", nargs="+", default=[s[0] for s in PREFILL_SHAPES],
+                    help="prefill shapes to run (names as in PREFILL_SHAPES)")
+    ap.add_argument("--plot", nargs=2, type=Path, metavar=("JSON", "PNG"),
+                    help="only draw the plot of a results file")
     ap.add_argument("--decode-batches", type=int, nargs="+", default=DECODE_BATCHES,
                     help="decode batch sizes (96 heads, one token per sequence)")
     args = ap.parse_args()
+    if args.plot:
+        plot(json.loads(args.plot[0].read_text()), args.plot[1])
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     errors: dict[str, str] = {}
     try:
@@ -245,7 +278,8 @@ def main() -> None:
         note="ours includes the short conv + SiLU; FlashKDA and FLA start from post-conv q/k/v",
         prefill=[], decode=[], errors=errors,
     )
-    for name, lengths, H in ([] if args.decode_only else PREFILL_SHAPES):
+    shapes = [s for s in PREFILL_SHAPES if s[0] in args.shapes]
+    for name, lengths, H in ([] if args.decode_only else shapes):
         x = inputs(lengths, H)
         ms = {"ours": timed(f"ours/{name}", lambda x: ours("k3_kda_prefill", x), x, errors),
               "flashkda": timed(f"flashkda/{name}", flashkda, x, errors),
@@ -255,7 +289,13 @@ def main() -> None:
         except Exception as exc:
             breakdown = None
             errors[f"profile/{name}"] = f"{type(exc).__name__}: {exc}"
+        try:
+            check = prefill_vs_recurrence(x)
+        except Exception as exc:
+            check = None
+            errors[f"check/{name}"] = f"{type(exc).__name__}: {exc}"
         row = dict(shape=name, tokens=x["T"], heads=H, seqs=x["B"], ms=ms, ours_kernels_ms=breakdown,
+                   rel_err_vs_recurrent_kernel=check,
                    Mtok_per_s={k: (None if v is None else x["T"] / v / 1e3) for k, v in ms.items()},
                    speedup_vs_flashkda=ratio(ms["ours"], ms["flashkda"]),
                    speedup_vs_fla=ratio(ms["ours"], ms["fla"]))
@@ -263,7 +303,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         del x
         torch.cuda.empty_cache()
-    for B in args.decode_batches:
+    for B in ([] if args.prefill_only else args.decode_batches):
         x = inputs([1] * B, DECODE_HEADS)
         state_bytes = 2 * B * DECODE_HEADS * D * D * 4  # fp32 state read + written
         ms = {"ours": timed(f"ours/decode{B}", lambda x: ours("k3_kda_decode", x), x, errors),
@@ -283,8 +323,11 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     (args.out / "kda_h200.json").write_text(json.dumps(result, indent=2))
-    plot(result, args.out / "kda_h200.png")
     print_table(result)
+    try:
+        plot(result, args.out / "kda_h200.png")
+    except ImportError as exc:  # re-plot later with --plot
+        print(f"no plot: {exc}")
 
 
 def plot(result, path: Path) -> None:
@@ -293,18 +336,20 @@ def plot(result, path: Path) -> None:
     import matplotlib.pyplot as plt
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [5, 3]})
     impls = [("ours", "k3 (ours)"), ("flashkda", "FlashKDA (vLLM 0.33)"), ("fla", "FLA 0.6 chunk_kda")]
-    shapes = [r["shape"] for r in result["prefill"]]
+    rows = [r for r in result["prefill"] if not r.get("superseded")]  # merged files keep old rows
+    shapes = [r["shape"] for r in rows]
     width = 0.27
     for i, (key, label) in enumerate(impls):
-        vals = [r["Mtok_per_s"][key] or 0 for r in result["prefill"]]
+        vals = [r["Mtok_per_s"][key] or 0 for r in rows]
         ax1.bar([j + (i - 1) * width for j in range(len(shapes))], vals, width, label=label)
     ax1.set_xticks(range(len(shapes)), shapes, rotation=15, fontsize=8)
     ax1.set_ylabel("prefill, M tokens/s")
     ax1.legend(fontsize=8)
     ax1.set_title(f"KDA prefill, head_dim 128, lb {LB}")
-    batches = [str(r["batch"]) for r in result["decode"]]
+    decode = [r for r in result["decode"] if not r.get("superseded")]
+    batches = [str(r["batch"]) for r in decode]
     for i, (key, label) in enumerate([("ours", "k3 (ours)"), ("fla", "FLA fused_recurrent_kda")]):
-        vals = [r["state_TBps"][key] or 0 for r in result["decode"]]
+        vals = [r["state_TBps"][key] or 0 for r in decode]
         ax2.bar([j + (i - 0.5) * 0.4 for j in range(len(batches))], vals, 0.4, label=label)
     ax2.axhline(result["copy_bandwidth_TBps"], color="k", ls="--", lw=1, label="device copy")
     ax2.set_xticks(range(len(batches)), batches)
@@ -321,11 +366,15 @@ def print_table(result) -> None:
     def f(v, spec=".3f"):
         return "-" if v is None else format(v, spec)
     print(f"\ncopy {result['copy_bandwidth_TBps']:.2f} TB/s; errors: {list(result['errors'])}")
-    print(f"{'prefill':<20}{'ours ms':>9}{'fkda ms':>9}{'fla ms':>9}{'ours Mt/s':>10}{'x fkda':>8}{'x fla':>7}")
+    print(f"{'prefill':<20}{'ours ms':>9}{'fkda ms':>9}{'fla ms':>9}{'ours Mt/s':>10}{'x fkda':>8}{'x fla':>7}"
+          "  vs recurrent kernel: out / state; kernels ms")
     for r in result["prefill"]:
+        c = r.get("rel_err_vs_recurrent_kernel")
+        err = "-" if not c else f"{c['out']:.1e} / {c['state']:.1e}"
+        kern = " ".join(f"{k.replace('_kernel', '')} {v:.3f}" for k, v in (r.get("ours_kernels_ms") or {}).items())
         print(f"{r['shape']:<20}{f(r['ms']['ours']):>9}{f(r['ms']['flashkda']):>9}{f(r['ms']['fla']):>9}"
               f"{f(r['Mtok_per_s']['ours'], '.2f'):>10}{f(r['speedup_vs_flashkda'], '.2f'):>8}"
-              f"{f(r['speedup_vs_fla'], '.2f'):>7}")
+              f"{f(r['speedup_vs_fla'], '.2f'):>7}  {err}; {kern}")
     print(f"{'decode B':<20}{'ours ms':>9}{'fla ms':>9}{'ours TB/s':>10}{'of copy':>8}{'fla TB/s':>9}"
           f"{'fla/copy':>9}  rel err out / state / conv exact")
     for r in result["decode"]:

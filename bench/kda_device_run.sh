@@ -11,10 +11,10 @@ if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/fla_core-*.whl && export PYTHONPATH=/tmp/site
 fi
 lib=/tmp/k3kda/libk3_kda.so
-nvcc -std=c++17 -O3 -Xcompiler -fPIC --expt-relaxed-constexpr -lineinfo \
+timeout 150 nvcc -std=c++17 -O3 -Xcompiler -fPIC --expt-relaxed-constexpr -lineinfo \
   -gencode arch=compute_90a,code=sm_90a -Iplugins/include -shared -cudart static \
   -Xptxas -v plugins/kernels/kda.cu -o "$lib" 2>"$out/ptxas.log" || { cat "$out/ptxas.log"; exit 1; }
 export K3_KERNELS_LIB="$lib" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
-python3 -m pytest tests/gpu/test_kda_cuda.py -q -s 2>&1 | tee "$out/test.log" | grep -E "rel err|passed|failed|Error|error"
-python3 bench/kda_bench.py --out "$out" "$@" 2>&1 | tee "$out/bench.log" | grep -vE "^\{"
+timeout 150 python3 -m pytest tests/gpu/test_kda_cuda.py -q -s 2>&1 | tee "$out/test.log" | grep -E "rel err|passed|failed|Error|error"
+timeout 200 python3 bench/kda_bench.py --out "$out" "$@" 2>&1 | tee "$out/bench.log" | grep -vE "^\{"

@@ -5,7 +5,8 @@
 #include <cuda_runtime.h>
 
 #include "k3/kda_api.h"
-#include "k3/kda/chunk.cuh"
+#include "k3/kda/chunk_prepare.cuh"
+#include "k3/kda/chunk_walk.cuh"
 #include "k3/kda/conv_state.cuh"
 #include "k3/kda/recurrent.cuh"
 
@@ -74,31 +75,52 @@ cudaError_t launch_decode(const Params& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <int D, int W>
-cudaError_t launch_chunked(const Params& p, float* work, int num_tokens, cudaStream_t stream) {
-  constexpr int BV = 32;
-  using Prep = k3::kda::PrepareLayout<D>;
-  using Walk = k3::kda::WalkLayout<D, BV>;
-  auto prepare = k3::kda::chunk_prepare_kernel<D, W>;
-  auto walk = k3::kda::chunk_walk_kernel<D, BV>;
-  cudaError_t err =
-      cudaFuncSetAttribute(prepare, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Prep::BYTES);
-  if (err == cudaSuccess)
-    err = cudaFuncSetAttribute(walk, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Walk::BYTES);
+// Walk value tiles: 32 columns, or 16 when 32-column CTAs would fill at most half the SMs
+// (few heads, long sequences: twice the CTAs on the serial chain of chunks). Operand stages:
+// two (prefetch, 1 CTA/SM), or one (2 CTAs/SM) when sequences average <= 512 tokens.
+template <int D, int BV, int NS>
+cudaError_t launch_walk(const Params& p, const __nv_bfloat16* work, const int* starts,
+                        cudaStream_t stream) {
+  auto walk = k3::kda::chunk_walk_kernel<D, BV, NS>;
+  constexpr size_t kSmem = k3::kda::WalkLayout<D, BV, NS>::BYTES;
+  cudaError_t err = cudaFuncSetAttribute(walk, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kSmem);
   if (err != cudaSuccess) return err;
+  dim3 grid(p.num_heads * (D / BV), p.num_seqs);
+  walk<<<grid, k3::kda::kWalkThreads, kSmem, stream>>>(p, work, starts);
+  return cudaGetLastError();
+}
+
+template <int D, int W>
+cudaError_t launch_chunked(const Params& p, void* workspace, int num_tokens, cudaStream_t stream) {
+  using Prep = k3::kda::PrepareLayout<D>;
+  auto prepare = k3::kda::chunk_prepare_kernel<D, W>;
+  int* starts = static_cast<int*>(workspace);
+  auto* work = reinterpret_cast<__nv_bfloat16*>(static_cast<char*>(workspace) +
+                                                k3::kda::chunk_table_bytes(p.num_seqs));
+  int device = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess)
+    err = cudaFuncSetAttribute(prepare, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Prep::BYTES);
+  if (err != cudaSuccess) return err;
+  k3::kda::chunk_table_kernel<<<1, k3::kda::kTableThreads, 0, stream>>>(p.cu_seqlens, p.num_seqs, starts);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
   dim3 pgrid(k3::kda::max_chunks(num_tokens, p.num_seqs), p.num_heads);
-  prepare<<<pgrid, k3::kda::kChunkThreads, Prep::BYTES, stream>>>(p, work);
+  prepare<<<pgrid, k3::kda::kPrepThreads, Prep::BYTES, stream>>>(p, work, starts);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   // the prepare kernel has read the old conv state; the walk does not need it
   if ((err = launch_conv_state<W>(p, D, stream)) != cudaSuccess) return err;
-  dim3 wgrid(p.num_seqs, p.num_heads, D / BV);
-  walk<<<wgrid, k3::kda::kChunkThreads, Walk::BYTES, stream>>>(p, work);
-  return cudaGetLastError();
+  const bool narrow = 2 * p.num_seqs * p.num_heads * (D / 32) <= sms;
+  const bool short_seqs = num_tokens <= 512 * p.num_seqs;
+  if (narrow) return short_seqs ? launch_walk<D, 16, 1>(p, work, starts, stream)
+                                : launch_walk<D, 16, 2>(p, work, starts, stream);
+  return short_seqs ? launch_walk<D, 32, 1>(p, work, starts, stream)
+                    : launch_walk<D, 32, 2>(p, work, starts, stream);
 }
 
 struct Launch {
   bool chunked;
-  float* work;  // chunked prefill only
+  void* work;  // chunked prefill only
   int num_tokens;
   bool decode = false;  // token recurrence through the pipelined decode kernel
 };
@@ -132,11 +154,11 @@ cudaError_t dispatch(const Params& p, int head_dim, int conv_width, const Launch
 
 bool chunked_gate(float lower_bound) { return lower_bound < 0.f && lower_bound >= -10.f; }
 
-size_t chunk_work_floats(int head_dim) {
+size_t chunk_work_bytes(int head_dim) {
   switch (head_dim) {
-    case 32: return k3::kda::ChunkWork<32>::FLOATS;
-    case 64: return k3::kda::ChunkWork<64>::FLOATS;
-    default: return k3::kda::ChunkWork<128>::FLOATS;
+    case 32: return k3::kda::ChunkWork<32>::BYTES;
+    case 64: return k3::kda::ChunkWork<64>::BYTES;
+    default: return k3::kda::ChunkWork<128>::BYTES;
   }
 }
 
@@ -154,8 +176,8 @@ int k3_kda_supported(int head_dim, int conv_width) {
 size_t k3_kda_prefill_workspace_bytes(int num_tokens, int num_seqs, int num_heads, int head_dim,
                                       float lower_bound) {
   if (!chunked_gate(lower_bound)) return 0;
-  return (size_t)k3::kda::max_chunks(num_tokens, num_seqs) * num_heads *
-         chunk_work_floats(head_dim) * sizeof(float);
+  return k3::kda::chunk_table_bytes(num_seqs) +
+         (size_t)k3::kda::max_chunks(num_tokens, num_seqs) * num_heads * chunk_work_bytes(head_dim);
 }
 
 // Chunked prefill. The factorised intra-chunk decay needs |lower_bound| <= 10; the
@@ -170,7 +192,7 @@ int k3_kda_prefill(const void* qkv, const void* gate, const void* beta, const fl
   const Params p = make_params(qkv, gate, beta, conv_weight, A_log, dt_bias, cu_seqlens,
                                state_slots, has_initial_state, conv_state, recurrent_state, out,
                                num_seqs, num_heads, lower_bound);
-  const Launch l{chunked_gate(lower_bound), static_cast<float*>(workspace), num_tokens};
+  const Launch l{chunked_gate(lower_bound), workspace, num_tokens};
   return dispatch(p, head_dim, conv_width, l, stream);
 }
 

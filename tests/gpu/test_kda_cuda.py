@@ -11,11 +11,13 @@ Tolerances (relative Frobenius error):
   is the bf16 rounding of the conv output and of the core output when the fp32 values
   differ in the last bits (a 1-ulp bf16 flip is 4e-3 on that element and rare), so
   out < 2e-3 and state < 1e-4.
-- prefill kernel: the chunk products run on tensor cores in tf32 (10-bit mantissa,
-  truncation < 2^-10 = 1e-3 per operand) over sums of up to 128 terms, plus the bf16
-  output rounding (~1e-3 rms) and fast-math SiLU (an occasional 1-ulp bf16 flip of a
-  conv output): out < 1e-2, state < 5e-3. bf16-operand kernels (FLA, vLLM) sit at ~1e-2
-  by spec §7.6; tf32 keeps us several times below that (measured ~1.3e-3 / ~3e-4).
+- prefill kernel: the chunk products run on tensor cores with bf16 operands and fp32
+  accumulation (the precision of FLA / vLLM's chunk kernels, spec §7.6): every operand
+  (decay-scaled q/k, Linv, W, U, U', A_qk and the state copy used as an operand) is
+  rounded to 8 bits of mantissa (2^-9 relative), the carried state stays fp32. A CPU
+  emulation of exactly these roundings gives ~4e-3 on the output and 2-3e-3 on the
+  state at these shapes, plus the bf16 output rounding and fast-math SiLU (an
+  occasional 1-ulp bf16 flip of a conv output): out < 1e-2, state < 5e-3.
 Skips without CUDA or without build/libk3_kernels.so.
 """
 from __future__ import annotations
@@ -167,13 +169,15 @@ def test_prefill_then_decode_handoff():
     assert torch.equal(cuda["conv_state"].cpu()[used], ref_conv[used])
 
 
-def test_prefill_matches_decode_kernel_on_long_sequence():
+@pytest.mark.parametrize("num_heads", [16, 4])
+def test_prefill_matches_decode_kernel_on_long_sequence(num_heads):
     """The two CUDA kernels (chunked vs token recurrence) agree on a long K3-head sequence,
-    where the CPU reference would be slow: 2048 tokens, 16 heads x 128."""
-    case = make_case([2048, 300], 16, 128, -5.0, [1, 0], seed=13)
+    where the CPU reference would be slow: 2048 + 300 tokens, heads x 128. With 4 heads the
+    walk runs 16-column value tiles (few CTAs), with 16 heads 32-column ones."""
+    case = make_case([2048, 300], num_heads, 128, -5.0, [1, 0], seed=13)
     out_p, _, state_p = run(PREFILL, case, "cuda")
     out_d, _, state_d = run(DECODE, case, "cuda")
     used = case["state_slots"].long()
     e_out, e_state = rel_err(out_p, out_d), rel_err(state_p[used], state_d[used])
-    print(f"\nprefill vs decode kernel: rel err out {e_out:.2e}, state {e_state:.2e}")
+    print(f"\nprefill vs decode kernel, {num_heads} heads: rel err out {e_out:.2e}, state {e_state:.2e}")
     assert e_out < PREFILL_TOL[0] and e_state < PREFILL_TOL[1]

@@ -1,54 +1,98 @@
-// Warp-level tf32 tensor-core products over fp32 shared-memory operands (mma.sync m16n8k8).
-// Operands are addressed through (row, col) strides so one routine serves A·B, A·Bᵀ and
-// Aᵀ·B. tf32 keeps 10 mantissa bits (truncation < 1e-3), finer than the bf16 inputs.
+// Warp-level bf16 tensor-core products (mma.sync m16n8k16, fp32 accumulate) with operands
+// fetched from shared memory by ldmatrix, plus the cp.async copies that fill them.
+//
+// Fragment layout (PTX ISA, m16n8k16 bf16), g = lane/4, t = lane%4:
+//   A (16 x 16): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 8+2t..), a3 = (g+8, 8+2t..);
+//   B (16 x 8):  b0 = (2t..2t+1, g), b1 = (8+2t..8+2t+1, g);
+//   C (16 x 8):  c0, c1 = (g, 2t), (g, 2t+1); c2, c3 = (g+8, 2t), (g+8, 2t+1).
+// The loaders below take a matrix stored row-major with `ld` elements per row; each lane
+// passes the address of one 8-element row of one of the four 8 x 8 matrices of an x4 load
+// (16-byte aligned rows; row strides of 8 mod 64 elements keep them free of bank conflicts).
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cstdint>
 
 namespace k3 {
 namespace kda {
 
-// fp32 bits go in as they are: the tensor cores read the top 19 bits (round toward zero,
-// relative error < 2^-10), which saves a cvt per operand element (CUTLASS's fast path).
-__device__ __forceinline__ uint32_t to_tf32(float x) { return __float_as_uint(x); }
+__device__ __forceinline__ uint32_t shared_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
 
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const __nv_bfloat16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_addr(p)));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const __nv_bfloat16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_addr(p)));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                          uint32_t b1) {
   asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
       "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// acc[j] (a 16 x 8 tile, j-th of NT along n) += A[16 x K] · B[K x 8·NT].
-// A(m, k) = A[m*sam + k*sak], B(k, n) = B[k*sbk + n*sbn]; K a multiple of 8.
-// Fragment layout (PTX ISA, m16n8k8 tf32): g = lane/4, t = lane%4;
-// a = {(g,t), (g+8,t), (g,t+4), (g+8,t+4)}, b = {(t,g), (t+4,g)},
-// c = {(g,2t), (g,2t+1), (g+8,2t), (g+8,2t+1)}.
-template <int NT>
-__device__ __forceinline__ void warp_mma(float (&acc)[NT][4], const float* A, int sam, int sak,
-                                         const float* B, int sbk, int sbn, int K) {
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const float* a_ptr = A + g * sam + t * sak;
-  const float* b_ptr = B + t * sbk + g * sbn;
-  for (int k0 = 0; k0 < K; k0 += 8) {
-    uint32_t a[4];
-    a[0] = to_tf32(a_ptr[k0 * sak]);
-    a[1] = to_tf32(a_ptr[8 * sam + k0 * sak]);
-    a[2] = to_tf32(a_ptr[(k0 + 4) * sak]);
-    a[3] = to_tf32(a_ptr[8 * sam + (k0 + 4) * sak]);
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const float* bj = b_ptr + j * 8 * sbn;
-      mma_tf32(acc[j], a, to_tf32(bj[k0 * sbk]), to_tf32(bj[(k0 + 4) * sbk]));
-    }
-  }
+// A fragment of the 16 x 16 tile at (m0, k0) of A stored as A[m][k].
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const __nv_bfloat16* A, int ld, int m0,
+                                       int k0) {
+  const int l = threadIdx.x % 32;
+  ldsm_x4(a, A + (m0 + (l & 15)) * ld + k0 + (l >> 4) * 8);
+}
+
+// A fragment of the 16 x 16 tile at (m0, k0) of A stored transposed, as At[k][m].
+__device__ __forceinline__ void load_a_trans(uint32_t (&a)[4], const __nv_bfloat16* At, int ld,
+                                             int m0, int k0) {
+  const int l = threadIdx.x % 32;
+  ldsm_x4_trans(a, At + (k0 + (l & 7) + (l >> 4) * 8) * ld + m0 + ((l >> 3) & 1) * 8);
+}
+
+// B fragments of two 16 x 8 tiles (columns n0.. and n0+8..) at k0 of B stored as B[k][n]:
+// {b[0], b[1]} for the first tile, {b[2], b[3]} for the second.
+__device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const __nv_bfloat16* B, int ld, int k0,
+                                          int n0) {
+  const int l = threadIdx.x % 32;
+  ldsm_x4_trans(b, B + (k0 + (l & 7) + ((l >> 3) & 1) * 8) * ld + n0 + (l >> 4) * 8);
+}
+
+// The same two B fragments with B stored transposed, as Bt[n][k] (products A·Btᵀ).
+__device__ __forceinline__ void load_b_nk(uint32_t (&b)[4], const __nv_bfloat16* Bt, int ld, int k0,
+                                          int n0) {
+  const int l = threadIdx.x % 32;
+  ldsm_x4(b, Bt + (n0 + (l & 7) + (l >> 4) * 8) * ld + k0 + ((l >> 3) & 1) * 8);
+}
+
+// acc[0..1] (a 16 x 16 tile as two 16 x 8 halves) += A · B over one k16 step.
+__device__ __forceinline__ void mma_16x16(float (&acc)[2][4], const uint32_t (&a)[4],
+                                          const uint32_t (&b)[4]) {
+  mma_bf16(acc[0], a, b[0], b[1]);
+  mma_bf16(acc[1], a, b[2], b[3]);
 }
 
 // Row / column of accumulator element e (0..3) inside its 16 x 8 tile.
 __device__ __forceinline__ int acc_row(int e) { return (threadIdx.x % 32) / 4 + (e >= 2 ? 8 : 0); }
 __device__ __forceinline__ int acc_col(int e) { return 2 * (threadIdx.x % 4) + (e & 1); }
+
+__device__ __forceinline__ __nv_bfloat162 pack_bf16(float lo, float hi) {
+  return __floats2bfloat162_rn(lo, hi);
+}
+
+// 16-byte asynchronous global → shared copy (L2 only), grouped by commit / wait.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
 
 }  // namespace kda
 }  // namespace k3
