@@ -18,13 +18,20 @@ if [[ ${#sources[@]} -eq 0 ]]; then
   echo "no kernel sources in plugins/kernels/" >&2
   exit 1
 fi
-objs=()
+# One nvcc per source, all at once (each takes tens of seconds; a GPU host has the cores).
+objs=() pids=()
 for src in "${sources[@]}"; do
   obj="$out/obj/$(basename "${src%.cu}").o"
   "$nvcc" -std=c++17 -O3 -Xcompiler -fPIC --expt-relaxed-constexpr -lineinfo \
-    "${gencode[@]}" -I"$here/plugins/include" -c "$src" -o "$obj"
-  objs+=("$obj")
+    "${gencode[@]}" -I"$here/plugins/include" -c "$src" -o "$obj" &
+  objs+=("$obj") pids+=($!)
 done
+failed=0
+for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+if [[ $failed -ne 0 ]]; then
+  echo "build_kernels.sh: a kernel source failed to compile (nvcc's messages above)" >&2
+  exit 1
+fi
 if [[ "${K3_COMPILE_ONLY:-0}" == "1" ]]; then
   echo "compiled ${#objs[@]} kernel sources for sm_${archs// /, sm_}"
   exit 0

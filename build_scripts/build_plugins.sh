@@ -23,20 +23,27 @@ obj="$out/obj_trt_plugins"
 mkdir -p "$obj"
 gencode=()
 for a in $archs; do gencode+=("-gencode" "arch=compute_${a},code=sm_${a}"); done
-objs=()
+# Every object compiles at once (the kernel sources take tens of seconds each).
+objs=() pids=()
 for src in "$here"/plugins/kernels/*.cu; do
   o="$obj/$(basename "${src%.cu}").o"
   "$nvcc" -std=c++17 -O3 -Xcompiler -fPIC,-fvisibility=hidden --expt-relaxed-constexpr -lineinfo \
-    "${gencode[@]}" -I"$here/plugins/include" -c "$src" -o "$o"
-  objs+=("$o")
+    "${gencode[@]}" -I"$here/plugins/include" -c "$src" -o "$o" &
+  objs+=("$o") pids+=($!)
 done
 for src in "$here"/plugins/trt/*.cpp; do
   o="$obj/$(basename "${src%.cpp}").o"
   # host code; nvcc hands it to the host compiler with the CUDA include path
   "$nvcc" -std=c++17 -O2 -Xcompiler -fPIC,-fvisibility=hidden,-Wall,-Wno-deprecated-declarations \
-    -isystem "$TENSORRT_INCLUDE_DIR" -I"$here/plugins/trt" -I"$here/plugins/include" -c "$src" -o "$o"
-  objs+=("$o")
+    -isystem "$TENSORRT_INCLUDE_DIR" -I"$here/plugins/trt" -I"$here/plugins/include" -c "$src" -o "$o" &
+  objs+=("$o") pids+=($!)
 done
+failed=0
+for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+if [[ $failed -ne 0 ]]; then
+  echo "build_plugins.sh: a source failed to compile (nvcc's messages above)" >&2
+  exit 1
+fi
 map="$obj/exports.map"
 printf '{\n  global: getCreators; setLoggerFinder;\n  local: *;\n};\n' > "$map"
 "$nvcc" -shared -cudart static "${gencode[@]}" "${objs[@]}" -o "$out/libk3_trt_plugins.so.tmp" \
