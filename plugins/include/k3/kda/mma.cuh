@@ -1,5 +1,5 @@
-// Warp-level bf16 tensor-core products (mma.sync m16n8k16, fp32 accumulate) with operands
-// fetched from shared memory by ldmatrix, plus the cp.async copies that fill them.
+// Warp-level bf16 tensor-core products (mma.sync m16n8k16, fp32 accumulate) over 16 x 16 tiles
+// whose operands ldmatrix fetches from shared memory (the PTX wrappers are in common/ptx.cuh).
 //
 // Fragment layout (PTX ISA, m16n8k16 bf16), g = lane/4, t = lane%4:
 //   A (16 x 16): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 8+2t..), a3 = (g+8, 8+2t..);
@@ -13,46 +13,23 @@
 #include <cuda_bf16.h>
 #include <cstdint>
 
+#include "../common/ptx.cuh"
+
 namespace k3 {
 namespace kda {
-
-__device__ __forceinline__ uint32_t shared_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const __nv_bfloat16* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_addr(p)));
-}
-
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const __nv_bfloat16* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_addr(p)));
-}
-
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 // A fragment of the 16 x 16 tile at (m0, k0) of A stored as A[m][k].
 __device__ __forceinline__ void load_a(uint32_t (&a)[4], const __nv_bfloat16* A, int ld, int m0,
                                        int k0) {
   const int l = threadIdx.x % 32;
-  ldsm_x4(a, A + (m0 + (l & 15)) * ld + k0 + (l >> 4) * 8);
+  ldmatrix_x4(a, A + (m0 + (l & 15)) * ld + k0 + (l >> 4) * 8);
 }
 
 // A fragment of the 16 x 16 tile at (m0, k0) of A stored transposed, as At[k][m].
 __device__ __forceinline__ void load_a_trans(uint32_t (&a)[4], const __nv_bfloat16* At, int ld,
                                              int m0, int k0) {
   const int l = threadIdx.x % 32;
-  ldsm_x4_trans(a, At + (k0 + (l & 7) + (l >> 4) * 8) * ld + m0 + ((l >> 3) & 1) * 8);
+  ldmatrix_x4_trans(a, At + (k0 + (l & 7) + (l >> 4) * 8) * ld + m0 + ((l >> 3) & 1) * 8);
 }
 
 // B fragments of two 16 x 8 tiles (columns n0.. and n0+8..) at k0 of B stored as B[k][n]:
@@ -60,14 +37,14 @@ __device__ __forceinline__ void load_a_trans(uint32_t (&a)[4], const __nv_bfloat
 __device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const __nv_bfloat16* B, int ld, int k0,
                                           int n0) {
   const int l = threadIdx.x % 32;
-  ldsm_x4_trans(b, B + (k0 + (l & 7) + ((l >> 3) & 1) * 8) * ld + n0 + (l >> 4) * 8);
+  ldmatrix_x4_trans(b, B + (k0 + (l & 7) + ((l >> 3) & 1) * 8) * ld + n0 + (l >> 4) * 8);
 }
 
 // The same two B fragments with B stored transposed, as Bt[n][k] (products A·Btᵀ).
 __device__ __forceinline__ void load_b_nk(uint32_t (&b)[4], const __nv_bfloat16* Bt, int ld, int k0,
                                           int n0) {
   const int l = threadIdx.x % 32;
-  ldsm_x4(b, Bt + (n0 + (l & 7) + (l >> 4) * 8) * ld + k0 + ((l >> 3) & 1) * 8);
+  ldmatrix_x4(b, Bt + (n0 + (l & 7) + (l >> 4) * 8) * ld + k0 + ((l >> 3) & 1) * 8);
 }
 
 // acc[0..1] (a 16 x 16 tile as two 16 x 8 halves) += A · B over one k16 step.
@@ -83,15 +60,6 @@ __device__ __forceinline__ int acc_col(int e) { return 2 * (threadIdx.x % 4) + (
 
 __device__ __forceinline__ __nv_bfloat162 pack_bf16(float lo, float hi) {
   return __floats2bfloat162_rn(lo, hi);
-}
-
-// 16-byte asynchronous global → shared copy (L2 only), grouped by commit / wait.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_addr(dst)), "l"(src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
 
 }  // namespace kda
