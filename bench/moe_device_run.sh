@@ -4,7 +4,8 @@
 # then the benchmark; logs and bench/moe_h200.json-style results in $OUT.
 #   bench/moe_device_run.sh
 # MOE_ONLY=1: build moe.cu alone and skip the full libraries and the plugin cases (iteration
-# calls); MOE_BENCH_ARGS: extra arguments for moe_bench.py (e.g. --prefill-only).
+# calls); MOE_BENCH_ARGS: extra arguments for moe_bench.py (e.g. --prefill-only, which also skips the
+# decode-only kernel breakdown).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp/moe_out}"
@@ -33,5 +34,8 @@ if [ "$moe_only" != 1 ]; then
   timeout 120 python3 -m pytest tests/gpu/test_moe_cuda.py -s -rs -k "trt_plugin" 2>&1 \
     | tee "$out/test_plugin.log" | grep -E "passed|failed|FAILED|Error|error|SKIP" | tail -20
 fi
-K3_KERNELS_LIB="$lib" timeout 120 python3 bench/moe_kernel_breakdown.py --out "$out" 2>&1 | tee "$out/breakdown.log" | tail -8
+case " ${MOE_BENCH_ARGS:-} " in
+  *" --prefill-only "*) ;;  # the breakdown covers the decode sizes only
+  *) K3_KERNELS_LIB="$lib" timeout 120 python3 bench/moe_kernel_breakdown.py --out "$out" 2>&1 | tee "$out/breakdown.log" | tail -8 ;;
+esac
 K3_KERNELS_LIB="$lib" timeout 240 python3 bench/moe_bench.py --out "$out" ${MOE_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | tail -20

@@ -7,11 +7,13 @@
 // matching 128 up rows, so the GLU is an epilogue in registers; down: 256 output columns),
 // BK = 64 (one 128-byte swizzled row per operand row), kWgStages shared-memory stages.
 // Three warpgroups: warpgroup 0 produces (cp.async: A rows gathered through sorted_token,
-// which the bulk tensor copy cannot do on sm_90; weight rows likewise, or MXFP4 bytes that it
-// dequantises into the bf16 tile), warpgroups 1 and 2 each issue m64n256k16 on 64 of the rows.
-// Stages are handed over with mbarriers: `full` (one arrival per producer thread: bf16, a
-// cp.async arrival that fires when its copies land; MXFP4, after it stored the dequantised
-// weights) and `empty` (consumer warps, after the wgmma that read the stage retired).
+// which the bulk tensor copy cannot do on sm_90; weight rows likewise, or the packed MXFP4
+// bytes into a raw ring), warpgroups 1 and 2 each issue m64n256k16 on 64 of the rows. MXFP4:
+// while the MMAs of k-step kt run, the 256 consumer threads dequantise k-step kt+1's raw bytes
+// (one weight row each) into its swizzled bf16 tile, so the producer stays a pure copy engine.
+// Stages are handed over with mbarriers: `full` (one cp.async arrival per producer thread, which
+// fires when its copies land; the thread never waits) and `empty` (consumer warps, after the
+// wgmma that read the stage retired).
 // CTA order: expert-major, then weight tile, then M tile, so the M tiles of one expert read
 // each weight tile at the same time (one HBM read) and each A panel stays hot across N tiles.
 #pragma once
@@ -30,20 +32,25 @@ namespace moe {
 
 constexpr int kWgBM = 128, kWgBN = 256, kWgBK = 64, kWgStages = 4;
 constexpr int kWgThreads = 384;  // producer warpgroup + 2 consumer warpgroups
-constexpr int kWgLag = kWgStages - 2;  // MXFP4: k-steps a producer thread has in flight before it dequantises one
-constexpr int kWgRawStages = kWgLag + 1;  // MXFP4 bytes live from their copy to their dequantisation
 constexpr int kWgATileBytes = kWgBM * kWgBK * 2, kWgBTileBytes = kWgBN * kWgBK * 2;
-constexpr int kWgRawTileBytes = kWgBN * kWgBK / 2;
-constexpr int kWgScaleRingBytes = 2 * 128 * 4;  // MXFP4: two k-steps of 4 scale bytes per producer thread
+constexpr int kWgRawTileBytes = kWgBN * kWgBK / 2;  // MXFP4: packed codes of one stage
+constexpr int kWgRawRowBytes = kWgBK / 2;            // two 16-byte halves, one scale group each
+static_assert(2 * kMxGroup == kWgBK, "MXFP4: two scale groups per weight row and k-step");
 
 __host__ __device__ constexpr size_t wg_smem_bytes(bool mxfp4) {
   return 1024 /* alignment slack */ + kWgStages * (kWgATileBytes + kWgBTileBytes) +
-         (mxfp4 ? kWgRawStages * kWgRawTileBytes + kWgScaleRingBytes : 0) + 2 * kWgStages * sizeof(uint64_t);
+         (mxfp4 ? kWgStages * kWgRawTileBytes : 0) + 2 * kWgStages * sizeof(uint64_t);
 }
 
 // Element offset of 16-byte chunk c of row r in a tile of 128-byte rows under the 128B swizzle
 // (chunk c of row r stored at chunk c ^ (r % 8); 8-row atoms 1024 B, 1024-B aligned).
 __device__ __forceinline__ int wg_swizzle(int row, int chunk) { return row * kWgBK + ((chunk ^ (row & 7)) << 3); }
+
+// Byte offset of 16-byte half h of row r in a raw MXFP4 tile (32-byte rows): the halves swap
+// every 4 rows, so the 8 rows one quarter-warp reads of the same half hit distinct banks.
+__device__ __forceinline__ int wg_raw_offset(int row, int half) {
+  return row * kWgRawRowBytes + ((half ^ ((row >> 2) & 1)) << 4);
+}
 
 // K-major 128B-swizzled operand descriptor: start address, leading byte offset 16 (unused
 // inside one swizzle row), stride 1024 B between 8-row groups, swizzle mode 1 (128B).
@@ -140,11 +147,9 @@ __device__ __forceinline__ bool wg_tile(const Schedule& s, int n_tiles, WgTile& 
 
 // Producer warpgroup (128 threads). k-step kt goes to stage kt % kWgStages once the consumers
 // released it. Thread t copies 16-byte chunk t % 8 of A rows t/8 + 16i (8 consecutive threads
-// read one 128-byte row). bf16: the same for weight rows t/8 + 16i, then a cp.async arrival on
-// the stage's `full` barrier, so the thread never waits for its own copies. MXFP4: thread t
-// copies half t % 2 (32 codes, one scale group) of weight rows t/2 + 64i into a raw ring; kWgLag
-// steps later it waits for those bytes, dequantises exactly them into the swizzled bf16 tile
-// and arrives (no proxy fence here: that would also wait for the copies of later steps).
+// read one 128-byte row); bf16: the same for weight rows t/8 + 16i; MXFP4: half t % 2 (32 codes,
+// one scale group) of weight rows t/2 + 64i into the stage's raw tile. Then a cp.async arrival
+// on the stage's `full` barrier.
 template <bool kMxfp4, bool kGateUp>
 __device__ __forceinline__ void wg_produce(const WgParams& p, const WgTile& t, __nv_bfloat16* sa, __nv_bfloat16* sb,
                                            uint8_t* raw, uint64_t* full, uint64_t* empty) {
@@ -157,83 +162,35 @@ __device__ __forceinline__ void wg_produce(const WgParams& p, const WgTile& t, _
     const int64_t row = kGateUp ? (int64_t)p.s.sorted_token[t.row0 + min(r, t.rows - 1)] : t.row0 + r;
     a_src[i] = r < t.rows ? p.a + row * K + chunk * 8 : nullptr;
   }
-  const int n0 = t.n_tile * (kGateUp ? kWgBN / 2 : kWgBN);
-  const int64_t w_row0 = t.expert * p.rows_per_expert + n0;  // weight row of tile row 0
-  // weight row of tile row r (r < 128: gate / down rows; r >= 128: up rows after mat_gap)
-  auto w_row = [&](int r) { return w_row0 + r + (r >= kWgBN / 2 ? p.mat_gap : 0); };
-
-  const __nv_bfloat16* b_src = nullptr;
-  const uint8_t* q_src[4] = {};
-  const uint8_t* s_src[4] = {};
+  const int64_t w_row0 = t.expert * p.rows_per_expert + t.n_tile * (kGateUp ? kWgBN / 2 : kWgBN);
+  const __nv_bfloat16* b_src = kMxfp4 ? nullptr : p.w.bf16 + w_row0 * K + chunk * 8;
   const int half = tid % 2, r2 = tid / 2;
-  if constexpr (kMxfp4) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      q_src[i] = p.w.packed + w_row(r2 + 64 * i) * (K / 2) + half * 16;
-      s_src[i] = p.w.scale + w_row(r2 + 64 * i) * (K / kMxGroup) + half;
-    }
-  } else {
-    b_src = p.w.bf16 + w_row0 * K + chunk * 8;
-  }
-  uint32_t scales = 0;  // MXFP4: this thread's 4 scale bytes of the last k-step issued
+  const uint8_t* q_src = kMxfp4 ? p.w.packed + (w_row0 + r2) * (K / 2) + half * 16 : nullptr;  // tile row r2
 
-  for (int kt = 0; kt < nk + (kMxfp4 ? kWgLag : 0); ++kt) {
+  for (int kt = 0; kt < nk; ++kt) {
+    const int st = kt % kWgStages;
+    if (kt >= kWgStages) mbar_wait(&empty[st], (kt / kWgStages - 1) & 1);
+    const int k0 = kt * kWgBK;
+    __nv_bfloat16* a_dst = sa + st * (kWgBM * kWgBK);
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (a_src[i] != nullptr) cp_async16(a_dst + wg_swizzle(r8 + 16 * i, chunk), a_src[i] + k0, 16);
     if constexpr (kMxfp4) {
-      // Scale bytes are loaded with the copies of their k-step and parked in shared memory one
-      // step later (their load has landed by then), where the dequantisation finds them.
-      if (kt >= 1 && kt <= nk)
-        reinterpret_cast<uint32_t*>(raw + kWgRawStages * kWgRawTileBytes)[((kt - 1) & 1) * 128 + tid] = scales;
-    }
-    if (kt < nk) {
-      const int st = kt % kWgStages;
-      if (kt >= kWgStages) mbar_wait(&empty[st], (kt / kWgStages - 1) & 1);
-      const int k0 = kt * kWgBK;
-      __nv_bfloat16* a_dst = sa + st * (kWgBM * kWgBK);
+      uint8_t* q_dst = raw + st * kWgRawTileBytes;
 #pragma unroll
-      for (int i = 0; i < 8; ++i)
-        if (a_src[i] != nullptr) cp_async16(a_dst + wg_swizzle(r8 + 16 * i, chunk), a_src[i] + k0, 16);
-      if constexpr (kMxfp4) {
-        uint8_t* q_dst = raw + (kt % kWgRawStages) * kWgRawTileBytes + tid * 16;
-        uint32_t sc = 0;
+      for (int i = 0; i < 4; ++i) {  // tile rows r2 + 64i; rows >= 128 are up rows, mat_gap further on
+        const int64_t gap = i >= 2 ? (int64_t)p.mat_gap * (K / 2) : 0;
+        cp_async16(q_dst + wg_raw_offset(r2 + 64 * i, half), q_src + 64 * i * (K / 2) + gap + k0 / 2, 16);
+      }
+    } else {
+      __nv_bfloat16* b_dst = sb + st * (kWgBN * kWgBK);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          cp_async16(q_dst + i * 2048, q_src[i] + k0 / 2, 16);
-          sc |= (uint32_t)__ldg(s_src[i] + 2 * kt) << (8 * i);
-        }
-        scales = sc;
-      } else {
-        __nv_bfloat16* b_dst = sb + st * (kWgBN * kWgBK);
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          const int r = r8 + 16 * i;
-          cp_async16(b_dst + wg_swizzle(r, chunk), b_src + (r + (i >= 8 ? p.mat_gap : 0)) * (int64_t)K + k0, 16);
-        }
-        mbar_cp_async_arrive(&full[st]);
+      for (int i = 0; i < 16; ++i) {
+        const int r = r8 + 16 * i;
+        cp_async16(b_dst + wg_swizzle(r, chunk), b_src + (r + (i >= 8 ? p.mat_gap : 0)) * (int64_t)K + k0, 16);
       }
     }
-    if constexpr (kMxfp4) {
-      cp_async_commit();  // empty groups past nk keep the wait_group count aligned with kt
-      const int j = kt - kWgLag;
-      if (j < 0) continue;
-      cp_async_wait<kWgLag>();
-      const uint8_t* q = raw + (j % kWgRawStages) * kWgRawTileBytes + tid * 16;
-      const uint32_t sc = reinterpret_cast<const uint32_t*>(raw + kWgRawStages * kWgRawTileBytes)[(j & 1) * 128 + tid];
-      __nv_bfloat16* b_dst = sb + (j % kWgStages) * (kWgBN * kWgBK);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint4 codes = *reinterpret_cast<const uint4*>(q + i * 2048);
-        const Mxfp4Scale s = mxfp4_scale((sc >> (8 * i)) & 0xFFu);
-        const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
-        const int r = r2 + 64 * i;
-#pragma unroll
-        for (int m = 0; m < 4; ++m) {
-          uint32_t v[4];
-          mxfp4_dequant8(words[m], s, v);
-          *reinterpret_cast<uint4*>(b_dst + wg_swizzle(r, 4 * half + m)) = make_uint4(v[0], v[1], v[2], v[3]);
-        }
-      }
-      mbar_arrive(&full[j % kWgStages]);  // release: the consumers fence before their MMAs read
-    }
+    mbar_cp_async_arrive(&full[st]);
   }
 }
 
@@ -243,28 +200,84 @@ __device__ __forceinline__ void wg_fence_operand(float (&acc)[128]) {
   for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(acc[i])::"memory");
 }
 
-// Consumer warpgroup cw (0 or 1): rows 64cw..64cw+63 of the tile.
-template <bool kMxfp4>
-__device__ __forceinline__ void wg_consume(float (&acc)[128], int cw, int nk, const __nv_bfloat16* sa,
-                                           const __nv_bfloat16* sb, uint64_t* full, uint64_t* empty) {
-  const int lane = threadIdx.x % 32;
+// MXFP4: 16-byte half `half` of raw row `row` (32 codes, one scale group) -> 4 bf16 chunks.
+template <bool kTwoSteps>
+__device__ __forceinline__ void wg_dequant_half(const uint8_t* raw, __nv_bfloat16* b, int row, int half,
+                                                const Mxfp4Scale& s) {
+  const uint4 codes = *reinterpret_cast<const uint4*>(raw + wg_raw_offset(row, half));
+  const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    uint32_t v[4];
+    mxfp4_dequant8<kTwoSteps>(words[m], s, v);
+    *reinterpret_cast<uint4*>(b + wg_swizzle(row, 4 * half + m)) = make_uint4(v[0], v[1], v[2], v[3]);
+  }
+}
+
+// MXFP4: consumer thread c (0..255) turns weight row c of a stage's raw tile into bf16; the two
+// halves' scale bytes are the low and high byte of `scales`.
+__device__ __forceinline__ void wg_dequant_row(const uint8_t* raw, __nv_bfloat16* b, int row, uint32_t scales) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const Mxfp4Scale s = mxfp4_scale((scales >> (8 * half)) & 0xFFu);
+    if (s.two_steps) {
+      wg_dequant_half<true>(raw, b, row, half, s);
+    } else {
+      wg_dequant_half<false>(raw, b, row, half, s);
+    }
+  }
+}
+
+// Named barrier 1: the 256 consumer threads only (the producer never waits on them).
+__device__ __forceinline__ void wg_consumers_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
+
+// Consumer warpgroup cw (0 or 1): rows 64cw..64cw+63 of the tile. MXFP4: thread c of the two
+// warpgroups also dequantises weight row c of every stage, one k-step ahead of the MMAs: the
+// MMAs of kt are issued, then kt+1 is dequantised while they run; each writer fences its stores
+// into the async proxy and the barrier after it publishes the whole tile before its MMAs.
+template <bool kMxfp4, bool kGateUp>
+__device__ __forceinline__ void wg_consume(float (&acc)[128], int cw, const WgParams& p, const WgTile& t,
+                                           const __nv_bfloat16* sa, __nv_bfloat16* sb, const uint8_t* raw,
+                                           uint64_t* full, uint64_t* empty) {
+  const int lane = threadIdx.x % 32, nk = p.K / kWgBK;
+  const int row = threadIdx.x - 128;  // MXFP4: the weight row this thread dequantises
+  // its two scale bytes per k-step (rows >= 128 are up rows, mat_gap further on)
+  const uint16_t* scale_src = nullptr;
+  uint32_t scales = 0;  // of the next k-step to dequantise, loaded one k-step ahead
+  auto dequant = [&](int kt) {
+    const int st = kt % kWgStages;
+    mbar_wait(&full[st], (kt / kWgStages) & 1);
+    wg_dequant_row(raw + st * kWgRawTileBytes, sb + st * (kWgBN * kWgBK), row, scales);
+    wg_fence_proxy();  // the stores above and the producer's copies of this stage, for wgmma
+    // after the fence, which would otherwise wait for this load too
+    if (kt + 1 < nk) scales = __ldg(scale_src + kt + 1);
+  };
+  if constexpr (kMxfp4) {
+    const int64_t w_row = t.expert * p.rows_per_expert + t.n_tile * (kGateUp ? kWgBN / 2 : kWgBN) + row +
+                          (row >= kWgBN / 2 ? p.mat_gap : 0);
+    scale_src = reinterpret_cast<const uint16_t*>(p.w.scale + w_row * (p.K / kMxGroup));
+    scales = __ldg(scale_src);
+    dequant(0);
+    wg_consumers_sync();
+  }
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.f;
   wg_fence_operand(acc);
   for (int kt = 0; kt < nk; ++kt) {
     const int st = kt % kWgStages;
-    mbar_wait(&full[st], (kt / kWgStages) & 1);
-    // MXFP4: the producer wrote the bf16 weights with ordinary stores. (A fence in the producer
-    // would also wait for its copies still in flight for later stages.)
-    if constexpr (kMxfp4) wg_fence_proxy();
+    if constexpr (!kMxfp4) mbar_wait(&full[st], (kt / kWgStages) & 1);
     const __nv_bfloat16* a = sa + st * (kWgBM * kWgBK) + cw * 64 * kWgBK;
     const __nv_bfloat16* b = sb + st * (kWgBN * kWgBK);
     wg_fence();
 #pragma unroll
     for (int ks = 0; ks < kWgBK / 16; ++ks) wgmma_m64n256k16(acc, wg_desc(a + ks * 16), wg_desc(b + ks * 16), 1);
     wg_commit();
+    if constexpr (kMxfp4) {
+      if (kt + 1 < nk) dequant(kt + 1);
+    }
     wg_wait<1>();  // the MMAs of k-step kt-1 have retired: release its stage
     if (kt > 0 && lane == 0) mbar_arrive(&empty[(kt - 1) % kWgStages]);
+    if constexpr (kMxfp4) wg_consumers_sync();  // k-step kt+1's bf16 tile is complete
   }
   wg_wait<0>();
   wg_fence_operand(acc);
@@ -279,7 +292,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) routed_gemm_wgmma_kernel(const 
   auto* sa = reinterpret_cast<__nv_bfloat16*>(smem);
   auto* sb = reinterpret_cast<__nv_bfloat16*>(smem + kWgStages * kWgATileBytes);
   uint8_t* raw = smem + kWgStages * (kWgATileBytes + kWgBTileBytes);
-  auto* bars = reinterpret_cast<uint64_t*>(raw + (kMxfp4 ? kWgRawStages * kWgRawTileBytes + kWgScaleRingBytes : 0));
+  auto* bars = reinterpret_cast<uint64_t*>(raw + (kMxfp4 ? kWgStages * kWgRawTileBytes : 0));
   uint64_t *full = bars, *empty = bars + kWgStages;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kWgStages; ++s) {
@@ -292,14 +305,14 @@ __global__ void __launch_bounds__(kWgThreads, 1) routed_gemm_wgmma_kernel(const 
 
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
-    wg_setmaxnreg_dec<kMxfp4 ? 88 : 72>();
+    wg_setmaxnreg_dec<72>();
     wg_produce<kMxfp4, kGateUp>(p, t, sa, sb, raw, full, empty);
     return;
   }
-  wg_setmaxnreg_inc<kMxfp4 ? 208 : 216>();
+  wg_setmaxnreg_inc<216>();
   const int cw = wg - 1, lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
   float acc[128];
-  wg_consume<kMxfp4>(acc, cw, p.K / kWgBK, sa, sb, full, empty);
+  wg_consume<kMxfp4, kGateUp>(acc, cw, p, t, sa, sb, raw, full, empty);
   if (64 * cw >= t.rows) return;
 
   // Accumulator layout (m64nNk16, fp32): acc[j] is row 16·warp + lane/4 + 8·((j/2) % 2),
