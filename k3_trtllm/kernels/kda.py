@@ -1,8 +1,8 @@
 """CUDA implementations of ``k3::kda_prefill`` / ``k3::kda_decode`` (plugins/kernels/kda.cu).
 
-``register()`` installs them for the CUDA device. The kernels take bf16 activations, an
-fp32 state and head_dim 32/64/128 with conv width 2-4; any other call on CUDA runs the
-fp32 reference implementation, which is plain torch and works on any device.
+Importing this module installs them for the CUDA device, as the MLA and MoE bindings do. The
+kernels take bf16 activations, an fp32 state and head_dim 32/64/128 with conv width 2-4; any
+other call on CUDA runs the fp32 reference implementation (plain torch, any device).
 """
 from __future__ import annotations
 
@@ -102,8 +102,5 @@ def _make_impl(launcher_name: str, reference_fn):
     return impl
 
 
-def register() -> None:
-    """Install the CUDA kernels as the CUDA implementations of the two KDA ops."""
-    _library()
-    registry.register_kernel(KDA_PREFILL, "CUDA", _make_impl("k3_kda_prefill", reference.kda_prefill))
-    registry.register_kernel(KDA_DECODE, "CUDA", _make_impl("k3_kda_decode", reference.kda_decode))
+registry.register_kernel(KDA_PREFILL, "CUDA", _make_impl("k3_kda_prefill", reference.kda_prefill))
+registry.register_kernel(KDA_DECODE, "CUDA", _make_impl("k3_kda_decode", reference.kda_decode))

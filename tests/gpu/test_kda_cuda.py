@@ -30,12 +30,11 @@ if not torch.cuda.is_available():
 
 import k3_trtllm.ops.kda  # noqa: F401,E402  (registers the reference ops)
 from k3_trtllm import kernels  # noqa: E402
-from k3_trtllm.kernels import kda as kda_kernels  # noqa: E402
 
 if not kernels.library_path().exists():
     pytest.skip("build/libk3_kernels.so not built", allow_module_level=True)
 
-kda_kernels.register()
+from k3_trtllm.kernels import kda as kda_kernels  # noqa: F401,E402  (installs the CUDA kernels)
 
 CONV_WIDTH = 4
 PREFILL_TOL = (1e-2, 5e-3)  # (out, state), see the module docstring
