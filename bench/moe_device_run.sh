@@ -16,8 +16,7 @@ if [ "$moe_only" != 1 ]; then
   # Full libraries in the background: build/libk3_kernels.so, build/libk3_trt_plugins.so and the harness.
   ( build_scripts/build_kernels.sh build ) >"$out/build_kernels.log" 2>&1 &
   kernels_pid=$!
-  ( build_scripts/build_plugins.sh build && nvcc -std=c++17 -shared -Xcompiler -fPIC -isystem "$TENSORRT_INCLUDE_DIR" \
-      plugins/trt/harness/plugin_harness.cpp -o build/libk3_trt_harness.so -ldl ) >"$out/build_plugins.log" 2>&1 &
+  build_scripts/build_plugins.sh build >"$out/build_plugins.log" 2>&1 &
   plugins_pid=$!
 fi
 # moe.cu on its own first (seconds), so the op tests need not wait for the other kernels.
@@ -30,7 +29,7 @@ K3_KERNELS_LIB="$lib" timeout 240 python3 -m pytest tests/gpu/test_moe_cuda.py -
   | tee "$out/test.log" | grep -E "rel err|router logits|passed|failed|FAILED|Error|error|SKIP" | tail -40
 if [ "$moe_only" != 1 ]; then
   wait "$kernels_pid" || { echo "build_kernels.sh failed"; tail -20 "$out/build_kernels.log"; }
-  wait "$plugins_pid" || { echo "build_plugins.sh / harness failed"; tail -20 "$out/build_plugins.log"; }
+  wait "$plugins_pid" || { echo "build_plugins.sh failed"; tail -20 "$out/build_plugins.log"; }
   timeout 120 python3 -m pytest tests/gpu/test_moe_cuda.py -s -rs -k "trt_plugin" 2>&1 \
     | tee "$out/test_plugin.log" | grep -E "passed|failed|FAILED|Error|error|SKIP" | tail -20
 fi

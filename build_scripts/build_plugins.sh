@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the TensorRT plugin library libk3_trt_plugins.so: the IPluginV3 plugins in
-# plugins/trt/ over the CUDA kernels in plugins/kernels/ (KDA, MLA).
+# plugins/trt/ over the CUDA kernels in plugins/kernels/ (KDA, MLA, MoE), and
+# libk3_trt_harness.so, which drives the plugins the way TensorRT does (tests/gpu/).
 #   TENSORRT_INCLUDE_DIR=/path/to/TensorRT/include build_scripts/build_plugins.sh [OUT_DIR]   (default: build/)
 # Compiles against TensorRT's public headers only and links no TensorRT library (the
 # library exports getCreators and setLoggerFinder, which is all IPluginRegistry::loadLibrary
@@ -38,6 +39,10 @@ for src in "$here"/plugins/trt/*.cpp; do
     -isystem "$TENSORRT_INCLUDE_DIR" -I"$here/plugins/trt" -I"$here/plugins/include" -c "$src" -o "$o" &
   objs+=("$o") pids+=($!)
 done
+# The harness (host code, plugins/trt/harness/) loads the library with dlopen; it links nothing of it.
+"$nvcc" -std=c++17 -shared -Xcompiler -fPIC -isystem "$TENSORRT_INCLUDE_DIR" \
+  "$here/plugins/trt/harness/plugin_harness.cpp" -o "$out/libk3_trt_harness.so.tmp" -ldl &
+pids+=($!)
 failed=0
 for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
 if [[ $failed -ne 0 ]]; then
@@ -49,4 +54,5 @@ printf '{\n  global: getCreators; setLoggerFinder;\n  local: *;\n};\n' > "$map"
 "$nvcc" -shared -cudart static "${gencode[@]}" "${objs[@]}" -o "$out/libk3_trt_plugins.so.tmp" \
   -Xlinker --version-script="$map" -Xlinker --no-undefined
 mv "$out/libk3_trt_plugins.so.tmp" "$out/libk3_trt_plugins.so"
+mv "$out/libk3_trt_harness.so.tmp" "$out/libk3_trt_harness.so"
 echo "$out/libk3_trt_plugins.so"

@@ -2,7 +2,7 @@
 
 Skipped without CUDA. Needs the kernel library (build_scripts/build_kernels.sh or
 K3_KERNELS_LIB); the TensorRT plugin cases also need build/libk3_trt_plugins.so and
-build/libk3_trt_harness.so (bench/moe_device_run.sh builds all three).
+build/libk3_trt_harness.so (build_scripts/build_plugins.sh builds both).
 
 Selection: the CUDA router's top-k sets must equal the fp32 reference's (naive.route on CPU)
 for every token whose k-th and (k+1)-th biased scores differ by more than 1e-5; both sum
