@@ -4,7 +4,9 @@
         [--shapes 64x8192x12,256x8192x16] [--attn-only] [--skip-prefill] [--skip-decode] [--no-plot]
 
 Writes DIR/mla_h200.json and DIR/mla_h200.png (--shapes: decode B x L x H to run;
---attn-only: time the attention part alone, without whole-decode and torch rows).
+--attn-only: time the attention part alone, without whole-decode and torch rows). The
+attention part is timed twice: back-to-back calls between events (host launch overhead
+partly hidden) and replays of a CUDA graph of 8 calls (GPU time alone, `*_graph_*` keys).
 Prefill: single sequences of T new tokens (the op as dispatched, the absorbed form on the
 same inputs, torch SDPA on expanded keys with and without the expansion), attention
 TFLOP/s counting the causal half, T(T+1)/2 query-key pairs x H x 2(Dqk+Dv); and chunks of
@@ -59,6 +61,33 @@ def time_ms(fn, reps=20, warmup=3, batch=8):
         start.record()
         for k in range(batch):
             fn(i * batch + k)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / batch)
+    return statistics.median(times)
+
+
+def time_graph_ms(fn, reps=20, batch=8):
+    """GPU time alone: `batch` calls captured in one CUDA graph (as a serving engine runs
+    decode), replayed between two events; median over reps, per call. fn(i) as in time_ms."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream (allocations, metadata)
+        for i in range(batch):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(batch):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / batch)
@@ -125,6 +154,10 @@ def decode_case(batch, length, heads, copy_tbps, flashmla, attn_only=False):
     want = eager_attn(0)
     row["ours_vs_eager_rel_err"] = rel_err(ours_attn(0), want)
     timings = {"ours_attn": time_ms(ours_attn)}
+    try:
+        timings["ours_attn_graph"] = time_graph_ms(ours_attn)
+    except Exception as exc:  # keep the event timings if capture fails
+        row["graph_error"] = repr(exc)[:300]
     if not attn_only:
         timings.update(ours_whole=time_ms(ours_whole), eager_attn=time_ms(eager_attn, reps=5, batch=1),
                        eager_whole=time_ms(eager_whole, reps=5, batch=1))
@@ -150,6 +183,7 @@ def decode_case(batch, length, heads, copy_tbps, flashmla, attn_only=False):
         try:
             row["flashmla_vs_eager_rel_err"] = rel_err(fm_attn(0).view(batch, heads, RANK), want)
             timings["flashmla_attn"] = time_ms(fm_attn)
+            timings["flashmla_attn_graph"] = time_graph_ms(fm_attn)
             if not attn_only:
                 timings["flashmla_whole"] = time_ms(fm_whole)
         except Exception as exc:  # record why the peer did not run, keep our numbers
@@ -339,6 +373,11 @@ def main():
               f"{r.get('flashmla_attn_us', nan):.1f} us {r.get('flashmla_attn_tbps', nan):.2f} "
               f"({r.get('flashmla_attn_copy_frac', nan):.0%})  whole {r.get('ours_whole_tbps', nan):.2f}  "
               f"eager {r.get('eager_attn_tbps', nan):.2f}")
+        if "ours_attn_graph_us" in r:
+            print(f"    graphs: ours {r['ours_attn_graph_us']:.1f} us ({r['ours_attn_graph_copy_frac']:.0%})  FlashMLA "
+                  f"{r.get('flashmla_attn_graph_us', nan):.1f} us  ratio "
+                  f"{r.get('flashmla_attn_graph_us', nan) / r['ours_attn_graph_us']:.2f}  (events ratio "
+                  f"{r.get('flashmla_attn_us', nan) / r['ours_attn_us']:.2f})")
     print("prefill summary (M tok/s; attention TFLOP/s):")
     for r in result["prefill"]:
         print(f"  T={r['tokens']:6d} H={r['heads']:3d} {r['ours_path']}: {r['ours_whole_mtok_s']:.3f} "

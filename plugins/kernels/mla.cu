@@ -28,6 +28,7 @@
 
 #include "k3/mla_api.h"
 #include "k3/mla/flash_attention.cuh"
+#include "k3/mla/flash_attention_wgmma.cuh"
 #include "k3/mla/head_gemm.cuh"
 #include "k3/mla/insert.cuh"
 #include "k3/mla/latent_attention.cuh"
@@ -80,7 +81,8 @@ SplitPlan plan_splits(int num_tokens, int num_heads, int rank, int max_blocks, i
   const int64_t max_kv = std::max<int64_t>(1, static_cast<int64_t>(max_blocks) * block_size);
   const int64_t base = std::max<int64_t>(1, static_cast<int64_t>(num_tokens) * plan.head_groups);
   const int64_t slots = sm_count() * (plan.heads_per_cta == 64 ? 1 : kSmallCtasPerSm);
-  const int64_t max_splits = std::min<int64_t>(1024, (max_kv + 2 * kTileTokens - 1) / (2 * kTileTokens));
+  const int64_t max_splits =
+      std::min<int64_t>(k3::mla::kMaxCombineSplits, (max_kv + 2 * kTileTokens - 1) / (2 * kTileTokens));
   double best_cost = 0.0;
   plan.num_splits = 1;
   plan.split_tokens = static_cast<int>((max_kv + kTileTokens - 1) / kTileTokens * kTileTokens);
@@ -162,8 +164,17 @@ cudaError_t launch_attention(const k3::mla::LatentAttentionParams& p, int heads_
     err = heads_per_cta == 16 ? launch_attention_mt<R, DR, 1>(p, stream) : launch_attention_mt<R, DR, 2>(p, stream);
   if (err != cudaSuccess || p.num_splits == 1) return err;
   const int64_t rows = static_cast<int64_t>(p.num_tokens) * p.num_heads;
-  k3::mla::combine_splits_kernel<R><<<static_cast<unsigned>(rows), R / 4, 0, stream>>>(
-      p.o_part, p.lse_part, p.a_lat, rows, p.num_splits);
+  bool wide = false;  // the wgmma kernel's splits (up to kMaxCombineSplits) take the wide combine
+  if constexpr (R == 512) {
+    if (heads_per_cta == 64) {
+      k3::mla::combine_splits_wgmma_kernel<R><<<static_cast<unsigned>(rows), R / 4, 0, stream>>>(
+          p.o_part, p.lse_part, p.a_lat, rows, p.num_splits);
+      wide = true;
+    }
+  }
+  if (!wide)
+    k3::mla::combine_splits_kernel<R><<<static_cast<unsigned>(rows), R / 4, 0, stream>>>(
+        p.o_part, p.lse_part, p.a_lat, rows, p.num_splits);
   return cudaGetLastError();
 }
 
@@ -380,6 +391,26 @@ cudaError_t launch_flash(const k3::mla::FlashParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// The wgmma kernel for the K3 dims (whole expanded prefill 1.2-1.5x faster than with the
+// mma.sync kernel, bench/NOTES_mla.md session 13); the mma.sync kernel for the other dims,
+// and for all with K3_MLA_PREFILL_MMA_SYNC (same-call comparisons).
+#ifdef K3_MLA_PREFILL_MMA_SYNC
+constexpr bool kFlashWgmma = false;
+#else
+constexpr bool kFlashWgmma = true;
+#endif
+
+cudaError_t launch_flash_wgmma(const k3::mla::FlashParams& p, cudaStream_t stream) {
+  using C = k3::mla::FlashWgmmaConfig;
+  auto kernel = k3::mla::flash_prefill_wgmma_kernel;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(C::SMEM_BYTES));
+  if (err != cudaSuccess) return err;
+  const int64_t items = static_cast<int64_t>(p.tile_bound) * p.num_heads;
+  kernel<<<static_cast<unsigned>(std::min<int64_t>(items, sm_count())), C::THREADS, C::SMEM_BYTES, stream>>>(p);
+  return cudaGetLastError();
+}
+
 cudaError_t expanded_forward(const bf16* q, const bf16* latent, const bf16* w_uk, const bf16* w_uv,
                              const int* cu_seqlens, const int* context_lens, const int* block_tables,
                              const int* slot_mapping, bf16* cache, bf16* out, int num_tokens, int num_seqs,
@@ -391,7 +422,9 @@ cudaError_t expanded_forward(const bf16* q, const bf16* latent, const bf16* w_uk
   const int wide_rows = k3::mla::FlashConfig<128, 64, 128, 2>::BM;
   const bool wide = static_cast<int64_t>((num_tokens + wide_rows - 1) / wide_rows + num_seqs) * num_heads >=
                     static_cast<int64_t>(kWideItemsPerSm) * sm_count();
-  const int tile_rows = wide ? wide_rows : k3::mla::FlashConfig<128, 64, 128, 1>::BM;
+  const bool wgmma = kFlashWgmma && nope == k3::mla::FlashWgmmaConfig::DN;
+  const int tile_rows = wgmma ? k3::mla::FlashWgmmaConfig::BM
+                              : wide ? wide_rows : k3::mla::FlashConfig<128, 64, 128, 1>::BM;
   k3::mla::insert_latents_kernel<<<num_tokens, 64, 0, stream>>>(latent, slot_mapping, cache, rank + rope);
   k3::mla::prefill_offsets_kernel<<<1, 256, 0, stream>>>(cu_seqlens, context_lens, num_seqs, tile_rows,
                                                          l.key_offsets, l.tile_offsets);
@@ -449,7 +482,9 @@ cudaError_t expanded_forward(const bf16* q, const bf16* latent, const bf16* w_uk
     e.pass_begin = f.pass_begin = pass * plan.pass_keys;
     k3::mla::expand_latents_kernel<<<expand_grid, k3::mla::kExpandThreads, k3::mla::kExpandSmemBytes, stream>>>(e);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
-    if (nope == 128)
+    if (wgmma)
+      err = launch_flash_wgmma(f, stream);
+    else if (nope == 128)
       err = wide ? launch_flash<128, 64, 128, 2>(f, stream) : launch_flash<128, 64, 128, 1>(f, stream);
     else
       err = wide ? launch_flash<32, 16, 32, 2>(f, stream) : launch_flash<32, 16, 32, 1>(f, stream);

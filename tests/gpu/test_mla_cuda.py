@@ -174,3 +174,33 @@ def test_prefill_dispatch(ops, heads):
         assert cuda_mla.prefill_uses_expanded(*sizes) == expanded
         res = run_both(cuda_mla.mla_prefill_cuda, reference.mla_prefill, step, heads, K3)
         assert_close(*res, step["latent_cache"])
+
+
+@pytest.mark.parametrize("heads,context", [(96, 1000), (128, 5000), (64, 130)])
+def test_latent_attention_rising_maxima(ops, heads, context):
+    """Scores whose running maximum jumps by far more than the wgmma kernel's lazy-rescale
+    slack (2^8) part-way through a KV split, in the first and in the second half of 64-token
+    tiles (the halves belong to different warpgroups), over one split (130 tokens), a padded
+    head group (96) and many splits merged by the combine kernel (5000 tokens at 128 heads).
+    A row rescaled too late or by one warpgroup only is off by O(1)."""
+    cuda_mla, _ = ops
+    nope, rank = 128, 512
+    step = make_step(heads, K3, [context], [1], 64, seed=heads + context)
+    cache = step["latent_cache"]
+    gen = torch.Generator(device="cuda").manual_seed(heads)
+    q_lat = torch.randn(1, heads, rank, generator=gen, device="cuda").to(torch.bfloat16)
+    pos = torch.arange(context + 1, device="cuda")
+    slots = (step["block_tables"][0, pos // 64].long(), pos % 64)
+    # Growing spikes: rows 8-24x larger at positions in both tile halves and late in the range.
+    for k, p in enumerate([p for p in (5, 40, 97, 300, 611, 900, 2100, 4444) if p <= context]):
+        cache[slots[0][p], slots[1][p]] *= 8 + 2 * k
+    scale = 0.07
+    a_lat = cuda_mla.latent_attention(q_lat, step["q"], step["cu_seqlens"], step["context_lens"],
+                                      step["block_tables"], cache, nope, scale)
+    rows = cache[slots].float()
+    query = torch.cat([q_lat[0].float(), step["q"][0, :, nope:].float()], dim=-1)
+    probs = torch.softmax(query @ rows.T * scale, dim=-1)
+    want = probs @ rows[:, :rank]
+    assert torch.isfinite(a_lat).all()
+    err = ((a_lat[0].float() - want).norm() / want.norm()).item()
+    assert err <= TOL, f"relative error {err:.3e}"

@@ -17,6 +17,9 @@
 // pass the normalised output goes straight to `out` (bf16); with several, each pass merges
 // its normalised output and log2-sum-exp into fp32 accumulators (acc, acc_lse), which
 // finalize_passes_kernel converts at the end.
+//
+// The K3 dims (128, 64, 128) run flash_prefill_wgmma_kernel (flash_attention_wgmma.cuh,
+// warpgroup MMAs) instead; this kernel serves the other dims and same-call comparisons.
 #pragma once
 
 #include <cmath>

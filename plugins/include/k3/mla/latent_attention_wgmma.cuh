@@ -1,13 +1,16 @@
 // Hopper (sm_90a) absorbed MLA attention for the K3 latent (R = 512, Dr = 64): the same
 // work split and outputs as latent_attention_kernel (one token x 64 heads x one KV split
-// per CTA, split-KV partials merged by combine_splits_kernel), on warpgroup MMAs.
+// per CTA), on warpgroup MMAs; split-KV partials are merged by combine_splits_wgmma_kernel.
 //
-// Two warpgroups share each 64-token tile: warpgroup w computes the scores of tokens
-// 32w..32w+31 for all 64 heads (wgmma m64n32, both operands in 128B-swizzled shared
-// memory), the warpgroups exchange their row maxima through shared memory, each writes its
-// half of P (bf16) into a swizzled 64x64 tile, and each then computes P·V for its half of
-// the 512 latent output columns (m64n256k16, P and V from shared memory). Row sums stay
-// per warpgroup (both rescale with the same running maximum) and are added at the end.
+// Two warpgroups share each 64-token tile (2-stage cp.async ring, all 256 threads load):
+// warpgroup w computes the scores of tokens 32w..32w+31 for all 64 heads (wgmma m64n32,
+// both operands in 128B-swizzled shared memory) and their probabilities P against a
+// reference row maximum that both warpgroups share and raise only when a score exceeds it
+// by more than kRescaleSlack (lazy rescaling: the common tile needs no maximum exchange and
+// no rescale of O). Each writes its half of P (bf16) into a swizzled 64x64 tile, then
+// computes P·V for its half of the 512 latent output columns: its own 32 tokens with P
+// from registers (m64n256k16, A in registers), the other warpgroup's from shared memory.
+// Two CTA barriers per tile: tile landed, and P published (its OR tells whether a row rose).
 #pragma once
 
 #include <cmath>
@@ -16,6 +19,11 @@
 #include "k3/mla/wgmma.cuh"
 
 namespace k3::mla {
+
+// Log2 units a score may exceed the shared reference maximum before it is raised (P <= 256:
+// as exact in bf16 as P <= 1); 6-9% less time at 96/128 heads than raising it on every new
+// maximum (bench/NOTES_mla.md, session 13).
+constexpr float kRescaleSlack = 8.f;
 
 struct WgmmaAttentionConfig {
   static constexpr int R = 512, DR = 64, D = R + DR;
@@ -92,29 +100,41 @@ __global__ void __launch_bounds__(256, 1) latent_attention_wgmma_kernel(const La
   float o[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // rows g and g+8
+  // Descriptors: Q k-step k at (k/4) column blocks + 32 B per k within a 128-B row; the
+  // stage's score rows (tokens 32wg..) 4 KB in; V columns 256wg.. 4 column blocks in; the
+  // address field (bytes / 16) takes the stage and k offsets without carries.
+  const uint64_t q_desc = sw128_desc(s_q, 16, 1024);
+  const uint64_t p_desc = sw128_desc(s_p, 16, 1024);
+  const uint64_t k_desc0 = sw128_desc(s_kv + 32 * wg * 64, 16, 1024);
+  const uint64_t v_desc0 = sw128_desc(s_kv + 4 * wg * C::BLOCK_ELEMS, 8192, 1024);
+  // Lazy rescaling: P = 2^(s - m_ref) with a reference maximum per head row that both
+  // warpgroups share and raise only when a score exceeds it by more than kRescaleSlack
+  // (P <= 2^slack, harmless in bf16 and fp32). Row sums stay per thread until the end.
+  float m_ref[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // rows g and g+8
 
   for (int it = 0; it < n_tiles; ++it) {
-    if (it + 1 < n_tiles) load_tile(it + 1, (it + 1) & 1);
-    cp_async_commit();
-    cp_async_wait<1>();
-    fence_proxy_async();
+    cp_async_wait<0>();   // this thread's part of tile `it` (and of Q) landed
+    fence_proxy_async();  // ... visible to wgmma
+    // All of tile `it` landed, and both warpgroups are done with tile it-1 (its stage is
+    // refilled below) and with the P tile and row maxima of it-1.
     __syncthreads();
-    const bf16* kv = s_kv + (it & 1) * C::TILE_ELEMS;
+    const int stage = it & 1;
+    const uint64_t stage_off = stage * (C::TILE_BYTES / 16);
+    const uint64_t k_desc = k_desc0 + stage_off, v_desc = v_desc0 + stage_off;
 
     float s[16];  // rows 16wq+g (+8), tokens 32wg + 8j + 2cq + {0,1}
-#pragma unroll
-    for (int i = 0; i < 16; ++i) s[i] = 0.f;
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < C::D / 16; ++k) {
-      const int off = (k >> 2) * C::BLOCK_ELEMS + (k & 3) * 16;
-      wgmma_m64n32k16_ss(s, sw128_desc(s_q + off, 16, 1024), sw128_desc(kv + off + 32 * wg * 64, 16, 1024), k > 0);
+      const uint64_t off = (k >> 2) * (C::BLOCK_ELEMS * 2 / 16) + (k & 3) * 2;
+      wgmma_m64n32k16_ss(s, q_desc + off, k_desc + off, k > 0);
     }
     wgmma_commit();
+    // The next tile streams in while the scores are computed.
+    if (it + 1 < n_tiles) load_tile(it + 1, stage ^ 1);
+    cp_async_commit();
     wgmma_wait<0>();
 
-    // Online softmax (log2 domain); the 4 lanes of a quad share rows g and g+8.
     const int valid = kv_end - (kv_begin + it * NT);
     float mx[2];
 #pragma unroll
@@ -132,54 +152,69 @@ __global__ void __launch_bounds__(256, 1) latent_attention_wgmma_kernel(const La
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
       if (cq == 0) s_max[wg * C::M + 16 * wq + g + 8 * r] = mx[r];
     }
-    __syncthreads();
-    float alpha[2];
+    const bool raise = mx[0] > m_ref[0] + kRescaleSlack || mx[1] > m_ref[1] + kRescaleSlack;
+
+    // P for the current reference (the common case: final), written for the other
+    // warpgroup; the barrier below both publishes it and tells whether any row rose.
+    uint32_t pk[4][2];
+    float sum[2];
+    auto make_p = [&]() {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = 16 * wq + g + 8 * r;
-      // Both warpgroups form the same maximum; token 0 of a tile is always valid.
-      const float m_new = fmaxf(m_run[r], fmaxf(mx[r], s_max[(wg ^ 1) * C::M + row]));
-      alpha[r] = m_run[r] == -INFINITY ? 0.f : fast_exp2(m_run[r] - m_new);
-      float sum = 0.f;
+      for (int r = 0; r < 2; ++r) {
+        const int row = 16 * wq + g + 8 * r;
+        sum[r] = 0.f;
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int idx = 4 * j + 2 * r + e;
-          s[idx] = s[idx] == -INFINITY ? 0.f : fast_exp2(s[idx] - m_new);
-          sum += s[idx];
+        for (int j = 0; j < 4; ++j) {
+          const float p0 = fast_exp2(s[4 * j + 2 * r] - m_ref[r]), p1 = fast_exp2(s[4 * j + 2 * r + 1] - m_ref[r]);
+          sum[r] += p0 + p1;
+          pk[j][r] = pack_bf16(p0, p1);
+          // Row `row`, tokens 32wg + 8j + 2cq: 16-byte chunk 4wg + j of the swizzled tile.
+          *reinterpret_cast<uint32_t*>(s_p + row * 64 + (((4 * wg + j) ^ (row & 7)) << 3) + 2 * cq) = pk[j][r];
         }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      l_run[r] = l_run[r] * alpha[r] + sum;
-      m_run[r] = m_new;
-      // P row `row`, tokens 32wg + 8j + 2cq: 16-byte chunk 4wg + j of the swizzled tile.
+      }
+      fence_proxy_async();  // P, written by st.shared, is read by wgmma next
+    };
+    make_p();
+    if (__syncthreads_or(raise)) {  // uniform: every thread saw the same flags
+      // Both warpgroups form the same new maximum from the same two values per row.
+      float alpha[2];
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-        *reinterpret_cast<uint32_t*>(s_p + row * 64 + (((4 * wg + j) ^ (row & 7)) << 3) + 2 * cq) =
-            pack_bf16(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]);
-    }
+      for (int r = 0; r < 2; ++r) {
+        const float m_new = fmaxf(m_ref[r], fmaxf(mx[r], s_max[(wg ^ 1) * C::M + 16 * wq + g + 8 * r]));
+        alpha[r] = m_ref[r] == -INFINITY ? 0.f : fast_exp2(m_ref[r] - m_new);
+        l_run[r] *= alpha[r];
+        m_ref[r] = m_new;
+      }
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      o[4 * j] *= alpha[0]; o[4 * j + 1] *= alpha[0];
-      o[4 * j + 2] *= alpha[1]; o[4 * j + 3] *= alpha[1];
+      for (int j = 0; j < 32; ++j) {
+        o[4 * j] *= alpha[0]; o[4 * j + 1] *= alpha[0];
+        o[4 * j + 2] *= alpha[1]; o[4 * j + 3] *= alpha[1];
+      }
+      make_p();
+      __syncthreads();  // the other warpgroup's P is rewritten too
     }
-    fence_proxy_async();  // P, written by st.shared, is read by wgmma next
-    __syncthreads();
+    l_run[0] += sum[0];
+    l_run[1] += sum[1];
+
+    // O(:, 256wg..) += P(own tokens, registers) V + P(other tokens, shared) V.
+    const int own = 2 * wg, other = 2 - 2 * wg;
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      // V = c_kv columns [256 wg, 256 wg + 256): column blocks 4wg..4wg+3 (8192 B apart),
-      // tokens 16kk.. (8-token groups 1024 B apart).
-      wgmma_m64n256k16_ss_mn(o, sw128_desc(s_p + kk * 16, 16, 1024),
-                             sw128_desc(kv + 4 * wg * C::BLOCK_ELEMS + kk * 16 * 64, 8192, 1024));
+    for (int h = 0; h < 2; ++h) {
+      wgmma_m64n256k16_rs_mn(o, pk[2 * h][0], pk[2 * h][1], pk[2 * h + 1][0], pk[2 * h + 1][1],
+                             v_desc + (own + h) * (16 * 64 * 2 / 16));
     }
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      wgmma_m64n256k16_ss_mn(o, p_desc + (other + h) * 2, v_desc + (other + h) * (16 * 64 * 2 / 16));
     wgmma_commit();
     wgmma_wait<0>();
-    __syncthreads();  // both warpgroups are done with this stage, P and s_max before reuse
   }
-  cp_async_wait<0>();
-
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+  }
   if (cq == 0) {
     s_sum[wg * C::M + 16 * wq + g] = l_run[0];
     s_sum[wg * C::M + 16 * wq + g + 8] = l_run[1];
@@ -195,7 +230,7 @@ __global__ void __launch_bounds__(256, 1) latent_attention_wgmma_kernel(const La
     const float inv = l > 0.f ? 1.f / l : 0.f;
     const int64_t out_row = static_cast<int64_t>(token) * p.num_heads + head;
     if (p.num_splits > 1 && wg == 0 && cq == 0)
-      p.lse_part[split * rows + out_row] = l > 0.f ? m_run[r] + log2f(l) : -INFINITY;
+      p.lse_part[split * rows + out_row] = l > 0.f ? m_ref[r] + log2f(l) : -INFINITY;
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
       const int col = wg * (R / 2) + 8 * j + 2 * cq;
@@ -207,6 +242,72 @@ __global__ void __launch_bounds__(256, 1) latent_attention_wgmma_kernel(const La
       }
     }
   }
+}
+
+// Warp-specialised variant (three warpgroups, 384 threads, one CTA per SM) over 32-token
+// tiles in a 4-stage ring:
+// - warpgroup 0 computes the scores of tile t (wgmma m64n32, Q and K from shared memory),
+//   the online softmax with a lazily raised reference maximum, and writes P(t) (bf16) plus
+//   per-row rescale factors into one of two P slots; it owns the row maxima and sums;
+// - warpgroups 1 and 2 load the tiles (cp.async, 9 16-byte chunks per thread per tile,
+//   completing on the stage's `full` mbarrier) and accumulate O(:, 256(w-1)..+256) +=
+//   P(t)·V(t) (m64n256k16, both from shared memory), rescaling their O rows first when
+//   warpgroup 0 raised a maximum in that warp's 16 rows.
+// So the scores and softmax of tile t+1 run while the tensor cores do P·V of tile t.
+// Ordering (no cycle): P(t) needs full(t), which needs P·V(t-4) done (stage reuse); P slot
+// t%2 is rewritten only after P·V(t-2) arrived on p_empty.
+// Merges the split-KV partials of one (token, head) row for the wgmma kernel, whose long
+// sequences run up to 1024 splits: the split weights 2^(lse_s - max) go to shared memory
+// first, so each thread's loads over the splits (4 columns each) are independent and
+// several are in flight (no branch per split: empty splits wrote zeros with weight 0).
+constexpr int kMaxCombineSplits = 1024;
+
+template <int R>
+__global__ void __launch_bounds__(R / 4) combine_splits_wgmma_kernel(const float* __restrict__ o_part,
+                                                                     const float* __restrict__ lse_part,
+                                                                     bf16* __restrict__ a_lat, int64_t rows,
+                                                                     int num_splits) {
+  constexpr int THREADS = R / 4, WARPS = THREADS / 32;
+  __shared__ float s_w[kMaxCombineSplits];
+  __shared__ float s_red[2][WARPS];
+  const int64_t row = blockIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  float mx = -INFINITY;
+  for (int s = tid; s < num_splits; s += THREADS) {
+    const float lse = lse_part[s * rows + row];
+    s_w[s] = lse;
+    mx = fmaxf(mx, lse);
+  }
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
+  if (lane == 0) s_red[0][warp] = mx;
+  __syncthreads();
+  mx = s_red[0][0];
+#pragma unroll
+  for (int w = 1; w < WARPS; ++w) mx = fmaxf(mx, s_red[0][w]);
+  float wsum = 0.f;
+  for (int s = tid; s < num_splits; s += THREADS) {
+    const float w = s_w[s] == -INFINITY ? 0.f : exp2f(s_w[s] - mx);
+    s_w[s] = w;
+    wsum += w;
+  }
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, d);
+  if (lane == 0) s_red[1][warp] = wsum;
+  __syncthreads();
+  wsum = 0.f;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) wsum += s_red[1][w];
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+  for (int s = 0; s < num_splits; ++s) {
+    const float w = s_w[s];
+    const float4 o = __ldcs(reinterpret_cast<const float4*>(o_part + (s * rows + row) * R) + tid);
+    acc.x += w * o.x; acc.y += w * o.y; acc.z += w * o.z; acc.w += w * o.w;
+  }
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  reinterpret_cast<uint2*>(a_lat + row * R)[tid] =
+      make_uint2(pack_bf16(acc.x * inv, acc.y * inv), pack_bf16(acc.z * inv, acc.w * inv));
 }
 
 }  // namespace k3::mla
