@@ -317,8 +317,12 @@ def test_prefix_prefill_then_decode_equals_full_prefill(dtype, state_dtype, atol
     assert torch.equal(conv_state, full_conv)  # raw inputs, copied exactly
 
 
-def test_zero_length_sequence_keeps_its_state():
-    args, attrs = _op_inputs([4, 0, 3], [1, 1, 0], [0, 1, 2], 3, torch.float64, torch.float64, _gen(15))
+@pytest.mark.parametrize("empty_has_initial_state", [1, 0])
+def test_zero_length_sequence_keeps_its_state(empty_has_initial_state):
+    """An empty sequence is a no-op whether or not it is marked new (the kernels skip it too,
+    so padding rows of a fixed-size batch cannot clobber a slot)."""
+    args, attrs = _op_inputs([4, 0, 3], [1, empty_has_initial_state, 0], [0, 1, 2], 3, torch.float64,
+                             torch.float64, _gen(15))
     out, conv_state, rec_state = _run(torch.ops.k3.kda_prefill, args, attrs)
     assert out.shape == (7, P)
     assert torch.equal(conv_state[1], args["conv_state"][1])

@@ -90,7 +90,8 @@ _KDA_INPUTS = (
     TensorSpec("dt_bias", "fp32", ("P",)),
     TensorSpec("cu_seqlens", "int32", ("B+1",)),
     TensorSpec("state_slots", "int32", ("B",), doc="row of conv_state / recurrent_state owned by each sequence"),
-    TensorSpec("has_initial_state", "int32", ("B",), doc="0: start from zero state (new sequence), 1: continue from the slot"),
+    TensorSpec("has_initial_state", "int32", ("B",), doc="0: start from zero state (new sequence), 1: continue from the slot; "
+               "a sequence with no tokens leaves its slot untouched"),
     TensorSpec("conv_state", "act", ("S", "3*P", "W-1"), mutated=True,
                doc="last W-1 raw qkv inputs per slot, oldest first"),
     TensorSpec("recurrent_state", "fp32", ("S", "H", "K", "V"), mutated=True,

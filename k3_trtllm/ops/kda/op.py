@@ -107,6 +107,8 @@ def _kda_reference(recurrence, qkv, gate, beta, conv_weight, A_log, dt_bias, cu_
     dt_bias_c = dt_bias.to(cd).reshape(H, K)
     for start, end, slot, continues in zip(offsets, offsets[1:], slots, flags):
         T = end - start
+        if T == 0:  # an empty sequence is a no-op (padding rows of a fixed-size batch): its slot keeps its state
+            continue
         conv_y, conv_final = short_conv(
             qkv[start:end], conv_weight, conv_state[slot] if continues else None)
         # the conv output is materialised in the activation dtype (§4.5.2)
