@@ -54,13 +54,14 @@ cudaError_t launch_recurrent(const Params& p, cudaStream_t stream) {
 }
 
 // Decode: the persistent pipelined kernel, one CTA per SM (fewer when there are fewer
-// items). Its bulk copies need 16-byte aligned rows; other base pointers (never seen from
-// torch) take the per-item kernel.
+// items). Its bulk copies need 16-byte aligned rows (and its output stores 8-byte ones);
+// other base pointers (never seen from torch) take the per-item kernel.
 template <int D, int W>
 cudaError_t launch_decode(const Params& p, cudaStream_t stream) {
   const uintptr_t bases = reinterpret_cast<uintptr_t>(p.qkv) | reinterpret_cast<uintptr_t>(p.gate) |
                           reinterpret_cast<uintptr_t>(p.conv_state) |
-                          reinterpret_cast<uintptr_t>(p.recurrent_state);
+                          reinterpret_cast<uintptr_t>(p.recurrent_state) |
+                          reinterpret_cast<uintptr_t>(p.out);
   if (bases % 16 != 0) return launch_recurrent<D, W>(p, stream);
   auto kernel = k3::kda::decode_kernel<D, W>;
   constexpr int kSmem = k3::kda::DecodeStage<D, W>::SMEM;
@@ -71,13 +72,15 @@ cudaError_t launch_decode(const Params& p, cudaStream_t stream) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
   const int items = p.num_seqs * p.num_heads;
-  kernel<<<items < sms ? items : sms, k3::kda::kDecodeThreads + 32, kSmem, stream>>>(p);
+  kernel<<<items < sms ? items : sms, k3::kda::kDecodeBlock, kSmem, stream>>>(p);
   return cudaGetLastError();
 }
 
 // Walk value tiles: 32 columns, or 16 when 32-column CTAs would fill at most half the SMs
 // (few heads, long sequences: twice the CTAs on the serial chain of chunks). Operand stages:
-// two (prefetch, 1 CTA/SM), or one (2 CTAs/SM) when sequences average <= 512 tokens.
+// two (prefetch, 1 CTA/SM), or one (2 CTAs/SM) when sequences average <= 1024 tokens
+// (session 13: one stage took 16 x 1024 x 12 heads from 0.645 to 0.595 ms; 1 x 4096 x 96
+// heads stays with two, 1.197 vs 1.212).
 template <int D, int BV, int NS>
 cudaError_t launch_walk(const Params& p, const __nv_bfloat16* work, const int* starts,
                         cudaStream_t stream) {
@@ -92,7 +95,7 @@ cudaError_t launch_walk(const Params& p, const __nv_bfloat16* work, const int* s
 
 template <int D, int W>
 cudaError_t launch_chunked(const Params& p, void* workspace, int num_tokens, cudaStream_t stream) {
-  using Prep = k3::kda::PrepareLayout<D>;
+  using Prep = k3::kda::PrepareLayout<D, W>;
   auto prepare = k3::kda::chunk_prepare_kernel<D, W>;
   int* starts = static_cast<int*>(workspace);
   auto* work = reinterpret_cast<__nv_bfloat16*>(static_cast<char*>(workspace) +
@@ -106,12 +109,23 @@ cudaError_t launch_chunked(const Params& p, void* workspace, int num_tokens, cud
   k3::kda::chunk_table_kernel<<<1, k3::kda::kTableThreads, 0, stream>>>(p.cu_seqlens, p.num_seqs, starts);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   dim3 pgrid(k3::kda::max_chunks(num_tokens, p.num_seqs), p.num_heads);
-  prepare<<<pgrid, k3::kda::kPrepThreads, Prep::BYTES, stream>>>(p, work, starts);
+#ifdef K3_KDA_PREP_ONE_CTA  // measurement build: pad the shared memory to one CTA per SM
+  constexpr int kPrepSmem = 200 * 1024;
+  if ((err = cudaFuncSetAttribute(prepare, cudaFuncAttributeMaxDynamicSharedMemorySize, kPrepSmem)) != cudaSuccess)
+    return err;
+#else
+  constexpr int kPrepSmem = (int)Prep::BYTES;
+#endif
+  prepare<<<pgrid, k3::kda::kPrepThreads, kPrepSmem, stream>>>(p, work, starts);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   // the prepare kernel has read the old conv state; the walk does not need it
   if ((err = launch_conv_state<W>(p, D, stream)) != cudaSuccess) return err;
   const bool narrow = 2 * p.num_seqs * p.num_heads * (D / 32) <= sms;
-  const bool short_seqs = num_tokens <= 512 * p.num_seqs;
+#ifdef K3_KDA_WALK_ONE_STAGE  // measurement build: one stage, 2 CTAs/SM at every length
+  const bool short_seqs = true;
+#else
+  const bool short_seqs = num_tokens <= 1024 * p.num_seqs;
+#endif
   if (narrow) return short_seqs ? launch_walk<D, 16, 1>(p, work, starts, stream)
                                 : launch_walk<D, 16, 2>(p, work, starts, stream);
   return short_seqs ? launch_walk<D, 32, 1>(p, work, starts, stream)

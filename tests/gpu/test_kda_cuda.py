@@ -134,6 +134,40 @@ def test_decode_many_sequences_multi_token():
     check_against_reference(case, DECODE, DECODE_TOL, "decode B=49")
 
 
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_decode_small_heads_many_items(head_dim):
+    """Decode at the tiny config's head_dim 32 and at 64, 300 sequences of 1-3 tokens, some
+    new: every persistent CTA walks several items through both consumer groups (one item
+    apart) and reuses its ring stages."""
+    lengths = [1 + i % 3 for i in range(300)]
+    initial = [int(i % 5 != 0) for i in range(300)]
+    case = make_case(lengths, 4, head_dim, -5.0, initial, seed=17 + head_dim)
+    check_against_reference(case, DECODE, DECODE_TOL, f"decode 300 seqs 4x{head_dim}")
+
+
+def test_decode_k3_heads_batch():
+    """Decode at the K3 head shape over a batch: one token for most sequences, 2-3 for some,
+    shuffled slots, some new sequences (many items per launch at head_dim 128, as in serving)."""
+    lengths = [1] * 30 + [2, 3] * 5
+    initial = [int(i % 7 != 3) for i in range(len(lengths))]
+    case = make_case(lengths, 96, 128, -5.0, initial, seed=23)
+    check_against_reference(case, DECODE, DECODE_TOL, "decode K3 96x128 B=40")
+
+
+@pytest.mark.parametrize("name", ["prefill", "decode"])
+def test_empty_sequences_leave_their_slots_untouched(name):
+    """Sequences with no tokens (new or continuing) between non-empty ones: their slots must
+    keep their state, the others must not notice them."""
+    op, tol = (PREFILL, PREFILL_TOL) if name == "prefill" else (DECODE, DECODE_TOL)
+    case = make_case([70, 0, 1, 0, 3], 8, 128, -5.0, [1, 0, 0, 1, 1], seed=29)
+    check_against_reference(case, op, tol, f"{name} with empty sequences")
+    _, conv, state = run(op, case, "cuda")
+    for b in (1, 3):
+        slot = int(case["state_slots"][b])
+        assert torch.equal(conv[slot], case["conv_state"][slot]), f"{name}: empty sequence {b} changed its conv slot"
+        assert torch.equal(state[slot], case["recurrent_state"][slot]), f"{name}: empty sequence {b} changed its slot"
+
+
 def test_prefill_then_decode_handoff():
     """Prefill of a prompt, then three decode steps (1, 1 and 3 tokens) on the same slots,
     equals one reference pass over the concatenated tokens (conv and state hand-off)."""

@@ -1,7 +1,7 @@
 // Token recurrence of KDA (spec §4.5.6) for any number of tokens per sequence: decode
 // (usually one token), speculative verify (a few), and the exact fallback for prefill.
 //
-// Two kernels share the per-token math (conv_step, delta_rule_step):
+// Two kernels share the conv step (conv_step); the token math is laid out per kernel:
 //
 // recurrent_kernel (prefill fallback, softplus gate): one CTA per (sequence, head) owns
 // that head's D x D fp32 state in registers and the 3D conv channels of the head, so the
@@ -14,11 +14,13 @@
 // per SM walks items (sequence, head) = blockIdx.x, +gridDim.x, ... with a producer warp
 // that streams each item's state, first-token q|k|v|gate rows and conv-state rows into a
 // ring of shared-memory stages with bulk copies (cp.async.bulk, mbarrier completion), up
-// to kStages items ahead, while 8 consumer warps update the current item in registers and
-// store it straight back to global memory. A stage is handed back as soon as the
-// consumers hold its contents in registers. Measured: 2-3% faster than the per-item
-// design at B = 64-256; both are bound by the per-item work, not by the memory pattern (a
-// state-only copy in the same pattern reaches 97% of the copy rate), see bench/NOTES_kda.md.
+// to kStages items ahead. Two consumer groups of 4 warps take alternate items: a group
+// loads its stage into registers, hands it back, runs the token steps and stores the state
+// straight to global memory, while the other group does the same one item apart, so one
+// group's conv and reductions overlap the other's stores. Inside a group each warp owns a
+// slice of value columns over all key rows, so both reductions are warp shuffles and a
+// token step has one barrier (session 13; session 11's single 8-warp consumer needed four
+// and cross-warp reductions through shared memory).
 #pragma once
 
 #include "k3/kda/params.cuh"
@@ -27,7 +29,6 @@ namespace k3 {
 namespace kda {
 
 constexpr int kRecThreads = 256;     // recurrent_kernel
-constexpr int kDecodeThreads = 256;  // decode_kernel's consumer threads (plus a producer warp)
 
 template <int N> struct FloatVec;
 template <> struct FloatVec<1> { using T = float; };
@@ -253,21 +254,50 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
       ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
 
-// The states are read and written once per call: their bulk loads carry an L2 evict-first
-// policy and their stores are streaming (st.global.cs). Measured: a build with 512 consumer
-// threads ran at half the speed without both hints (bench/NOTES_kda.md).
-__device__ __forceinline__ void bulk_load_state(void* dst, const void* src, uint32_t bytes,
-                                                uint64_t* bar) {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-      " [%0], [%1], %2, [%3], %4;" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes),
-      "r"(smem_addr(bar)), "l"(policy) : "memory");
-}
+// The state copies and stores carry no cache hints: with the ping-pong consumers, L2
+// evict-first loads + st.global.cs stores ran 5-6% slower at B = 256 (session 13; session
+// 11's single 8-warp consumer had run at half speed without them).
+
+// Consumers of decode_kernel: kDecodeGroups groups of 4 warps; group g takes the CTA's
+// items g, g + kDecodeGroups, ... (ping-pong), so one group's loads from the stage, conv
+// and reductions run while the other group's state stores drain.
+// A group holds a whole 128 x 128 state (128 floats per thread): more than the 168
+// registers that 9+ warps per CTA leave each thread, so the producer is a warpgroup of its
+// own (one working warp) that gives its registers to the consumers (setmaxnreg).
+constexpr int kGroupThreads = 128;
+constexpr int kDecodeGroups = 2;
+constexpr int kDecodeThreads = kDecodeGroups * kGroupThreads;  // consumer threads
+constexpr int kDecodeBlock = kDecodeThreads + 128;             // + the producer warpgroup
+constexpr int kProducerRegs = 40, kConsumerRegs = 232;         // 8 x 232 + 4 x 40 warps ≤ 64 K
+
+// Thread layout of one item's D x D state over a group: warp w owns the value columns
+// [w·CW, (w+1)·CW); within it, LPR lanes share a key row (4 columns each) and lane l holds
+// the key rows [kg·RK, (kg+1)·RK), kg = l / LPR. Both reductions over the key rows stay
+// inside the warp (registers, then shuffles across the KG lanes of a column); reading the
+// stage, a quarter warp reads 128 contiguous bytes of one row at D = 128 (no bank conflict).
+template <int D>
+struct GroupTile {
+  static constexpr int kWarps = kGroupThreads / 32;
+  static constexpr int CW = D / kWarps;
+  static constexpr int LPR = CW / 4;
+  static constexpr int KG = 32 / LPR;
+  static constexpr int RK = D / KG;
+  static constexpr int RV = RK % 4 == 0 ? 4 : RK;  // rows per vector read of q, k, alpha
+  static constexpr int kChanIters = (3 * D + kGroupThreads - 1) / kGroupThreads;
+  using RowVec = typename FloatVec<RV>::T;
+  static_assert(LPR >= 1 && 32 % LPR == 0 && RK >= 1 && RK % RV == 0, "D = 32, 64 or 128");
+};
+
+// Conv outputs and decay of one token of one group; two per group, used alternately, so
+// that one barrier per token suffices (a warp writing token n+2's scratch has passed the
+// barrier of token n+1, which every warp reaches only after it has read token n's).
+template <int D>
+struct TokenScratch {
+  float q[D], k[D], v[D], alpha[D];
+};
 
 // One stage of the ring: what the producer copies for one item, byte offsets. As many
-// stages (up to 4) as fit next to the step scratch in the 227 KB of a CTA.
+// stages (up to 4) as fit next to the token scratch in the 227 KB of a CTA.
 template <int D, int W>
 struct DecodeStage {
   static constexpr int STATE = 0;                           // [D][D] fp32
@@ -275,7 +305,8 @@ struct DecodeStage {
   static constexpr int GATE = QKV + 3 * D * 2;              // [D] bf16, first token
   static constexpr int CONV = GATE + D * 2;                 // [3][D][W-1] bf16
   static constexpr int BYTES = CONV + 3 * D * (W - 1) * 2;  // every part a multiple of 16
-  static constexpr int kBudget = 227 * 1024 - (int)sizeof(StepScratch<D, kDecodeThreads>) - 256;
+  static constexpr int kBudget =
+      227 * 1024 - 2 * kDecodeGroups * (int)sizeof(TokenScratch<D>) - 256;
   static constexpr int kStages = BYTES * 4 <= kBudget ? 4 : kBudget / BYTES;
   static constexpr int SMEM = kStages * BYTES;
   static_assert(kStages >= 2, "two stages fit in shared memory");
@@ -289,44 +320,210 @@ struct StageMeta {
   float beta;  // raw beta of the first token
 };
 
-// This thread's conv weights (kChanIters channels x W taps), dt_bias and A_log of head h:
-// fetched one item ahead, since they depend only on the head.
-template <int D, int W, int NT>
-struct HeadParams {
-  float w[StateTile<D, NT>::kChanIters][W];
-  float dt_bias, a_log;
+// Everything of one token after the group's conv outputs and decay are in `sc` (and the
+// group's barrier): l2 norms (each warp computes them itself), decay, delta rule, output.
+template <int D>
+__device__ __forceinline__ void group_delta_rule_step(float (&S)[GroupTile<D>::RK][4],
+                                                      const TokenScratch<D>& sc, float beta,
+                                                      __nv_bfloat16* out, int warp, int lane) {
+  using T = GroupTile<D>;
+  constexpr int RK = T::RK, RV = T::RV;
+  using RowVec = typename T::RowVec;
+  const int kg = lane / T::LPR, r0 = kg * RK, v0 = warp * T::CW + (lane % T::LPR) * 4;
 
-  __device__ __forceinline__ void load(const Params& p, int h) {
-    const int P = p.num_heads * D, tid = threadIdx.x;
+  float ssq = 0.f, ssk = 0.f;
 #pragma unroll
-    for (int it = 0; it < StateTile<D, NT>::kChanIters; ++it) {
-      const int c = tid + it * NT;
-      const int ch = c < 3 * D ? (c / D) * P + h * D + c % D : 0;
+  for (int c = lane; c < D; c += 32) {
+    ssq += sc.q[c] * sc.q[c];
+    ssk += sc.k[c] * sc.k[c];
+  }
 #pragma unroll
-      for (int j = 0; j < W; ++j) w[it][j] = p.conv_weight[(int64_t)ch * W + j];
+  for (int o = 16; o > 0; o >>= 1) {
+    ssq += __shfl_xor_sync(0xffffffffu, ssq, o);
+    ssk += __shfl_xor_sync(0xffffffffu, ssk, o);
+  }
+  const float qn = rsqrtf(ssq + kL2Eps) * rsqrtf((float)D), kn = rsqrtf(ssk + kL2Eps);
+
+  // decay, then the predicted value M k = Sᵀ k: this thread's rows, then across the KG lanes
+  float pred[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int b = 0; b < RK; b += RV) {
+    const RowVec al = *reinterpret_cast<const RowVec*>(sc.alpha + r0 + b);
+    const RowVec kv = *reinterpret_cast<const RowVec*>(sc.k + r0 + b);
+    const float* alf = reinterpret_cast<const float*>(&al);
+    const float* kf = reinterpret_cast<const float*>(&kv);
+#pragma unroll
+    for (int r = 0; r < RV; ++r) {
+      const float kk = kf[r] * kn;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        S[b + r][j] *= alf[r];
+        pred[j] += S[b + r][j] * kk;
+      }
     }
-    dt_bias = p.dt_bias[h * D + (tid < D ? tid : 0)];
-    a_log = p.A_log[h];
+  }
+#pragma unroll
+  for (int o = T::LPR; o < 32; o <<= 1)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) pred[j] += __shfl_xor_sync(0xffffffffu, pred[j], o);
+  const float4 vv = *reinterpret_cast<const float4*>(sc.v + v0);
+  const float u[4] = {beta * (vv.x - pred[0]), beta * (vv.y - pred[1]), beta * (vv.z - pred[2]),
+                      beta * (vv.w - pred[3])};
+
+  float o[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int b = 0; b < RK; b += RV) {
+    const RowVec kv = *reinterpret_cast<const RowVec*>(sc.k + r0 + b);
+    const RowVec qv = *reinterpret_cast<const RowVec*>(sc.q + r0 + b);
+    const float* kf = reinterpret_cast<const float*>(&kv);
+    const float* qf = reinterpret_cast<const float*>(&qv);
+#pragma unroll
+    for (int r = 0; r < RV; ++r) {
+      const float kk = kf[r] * kn, qq = qf[r] * qn;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        S[b + r][j] += kk * u[j];
+        o[j] += S[b + r][j] * qq;
+      }
+    }
+  }
+#pragma unroll
+  for (int s = T::LPR; s < 32; s <<= 1)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) o[j] += __shfl_xor_sync(0xffffffffu, o[j], s);
+  if (kg == 0) {
+    __nv_bfloat162 lo = __floats2bfloat162_rn(o[0], o[1]), hi = __floats2bfloat162_rn(o[2], o[3]);
+    uint2 packed;
+    packed.x = *reinterpret_cast<uint32_t*>(&lo);
+    packed.y = *reinterpret_cast<uint32_t*>(&hi);
+    *reinterpret_cast<uint2*>(out + v0) = packed;
+  }
+}
+
+// The items (sequence, head) of this CTA: a contiguous range of the head-major order
+// item = h·B + b, split evenly over the grid, so that consecutive items share a head.
+struct CtaItems {
+  int begin, count;
+  __device__ explicit CtaItems(int total) {
+    const int per = total / gridDim.x, extra = total % gridDim.x, c = blockIdx.x;
+    begin = c * per + (c < extra ? c : extra);
+    count = per + (c < extra ? 1 : 0);
   }
 };
 
-struct ConsumerSync {  // named barrier 1: the consumer threads, not the producer warp
-  __device__ void operator()() const {
-    asm volatile("bar.sync 1, %0;" ::"n"(kDecodeThreads) : "memory");
+__device__ __forceinline__ void group_sync(int group) {  // named barriers 1, 2, ...
+  asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "n"(kGroupThreads) : "memory");
+}
+
+// Consumer thread of decode_kernel: group `group` (4 warps), thread t of the group, the
+// layout of GroupTile.
+template <int D, int W>
+__device__ __forceinline__ void decode_consumer(const Params& p, const unsigned char* ring,
+                                                TokenScratch<D> (*scratch)[2],
+                                                const StageMeta* meta, uint64_t* full,
+                                                uint64_t* empty) {
+  using Tile = GroupTile<D>;
+  using Stage = DecodeStage<D, W>;
+  constexpr int RK = Tile::RK, kChanIters = Tile::kChanIters;
+  constexpr int NS = Stage::kStages;
+  const int H = p.num_heads, P = H * D, P3 = 3 * P;
+  const int total = p.num_seqs * H;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = warp / Tile::kWarps, gwarp = warp % Tile::kWarps, t = threadIdx.x % kGroupThreads;
+  const int r0 = (lane / Tile::LPR) * RK, v0 = gwarp * Tile::CW + (lane % Tile::LPR) * 4;
+  const CtaItems items(total);
+  int step = 0;  // tokens this group has run: picks the token scratch
+  for (int k = group; k < items.count; k += kDecodeGroups) {
+    const int item = items.begin + k, h = item / p.num_seqs;
+    const int s = k % NS;
+    mbar_wait(&full[s], (k / NS) & 1);
+    const StageMeta m = meta[s];
+    const unsigned char* st = ring + s * Stage::BYTES;
+    const bool active = m.eos > m.bos;
+
+    // everything this thread needs from the stage, into registers; then hand it back
+    float S[RK][4];
+    float hist[kChanIters][W - 1], x0[kChanIters];
+    float gate0 = 0.f;
+    if (active) {
+      const float* st_state = reinterpret_cast<const float*>(st + Stage::STATE) + r0 * D + v0;
+#pragma unroll
+      for (int i = 0; i < RK; ++i) {
+        float4 x{};  // a new sequence starts from zero (nothing was copied)
+        if (m.continues) x = *reinterpret_cast<const float4*>(st_state + i * D);
+        S[i][0] = x.x, S[i][1] = x.y, S[i][2] = x.z, S[i][3] = x.w;
+      }
+      const __nv_bfloat16* st_qkv = reinterpret_cast<const __nv_bfloat16*>(st + Stage::QKV);
+      const __nv_bfloat16* st_conv = reinterpret_cast<const __nv_bfloat16*>(st + Stage::CONV);
+#pragma unroll
+      for (int it = 0; it < kChanIters; ++it) {
+        const int c = t + it * kGroupThreads;
+        x0[it] = c < 3 * D ? __bfloat162float(st_qkv[c]) : 0.f;
+#pragma unroll
+        for (int j = 0; j < W - 1; ++j)
+          hist[it][j] = (c < 3 * D && m.continues) ? __bfloat162float(st_conv[c * (W - 1) + j]) : 0.f;
+      }
+      if (t < D)
+        gate0 = __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(st + Stage::GATE)[t]);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[s]);
+
+    if (active) {
+      // the head's conv taps, dt_bias and A_log: L1 hits but on a change of head (a CTA's
+      // items are consecutive, head-major)
+      const float a_h = expf(__ldg(p.A_log + h));
+      const float dt_bias = __ldg(p.dt_bias + h * D + (t < D ? t : 0));
+      for (int tok = m.bos; tok < m.eos; ++tok, ++step) {
+        const bool first = tok == m.bos;
+        TokenScratch<D>& sc = scratch[group][step & 1];
+#pragma unroll
+        for (int it = 0; it < kChanIters; ++it) {
+          const int c = t + it * kGroupThreads;
+          if (c >= 3 * D) continue;
+          const float x = first ? x0[it]
+              : __bfloat162float(p.qkv[(int64_t)tok * P3 + (c / D) * P + h * D + c % D]);
+          float w[W];
+#pragma unroll
+          for (int j = 0; j < W; ++j) w[j] = __ldg(p.conv_weight + (int64_t)((c / D) * P + h * D + c % D) * W + j);
+          float* dst = c < D ? sc.q : (c < 2 * D ? sc.k : sc.v);
+          dst[c % D] = conv_step<W>(hist[it], w, x);
+        }
+        if (t < D) {
+          const float g = first ? gate0 : __bfloat162float(p.gate[(int64_t)tok * P + h * D + t]);
+          sc.alpha[t] = expf(decay_gate(g + dt_bias, a_h, p.lower_bound));
+        }
+        const float beta =
+            sigmoid(first ? m.beta : __bfloat162float(p.beta[(int64_t)tok * H + h]));
+        group_sync(group);
+        group_delta_rule_step<D>(S, sc, beta, p.out + (int64_t)tok * P + h * D, gwarp, lane);
+      }
+
+      float* state = p.recurrent_state + ((int64_t)m.slot * H + h) * D * D + r0 * D + v0;
+#pragma unroll
+      for (int i = 0; i < RK; ++i)
+        *reinterpret_cast<float4*>(state + i * D) = make_float4(S[i][0], S[i][1], S[i][2], S[i][3]);
+#pragma unroll
+      for (int it = 0; it < kChanIters; ++it) {
+        const int c = t + it * kGroupThreads;
+        if (c >= 3 * D) continue;
+        __nv_bfloat16* row = p.conv_state + ((int64_t)m.slot * P3 + (c / D) * P + h * D + c % D) * (W - 1);
+#pragma unroll
+        for (int j = 0; j < W - 1; ++j) row[j] = __float2bfloat16_rn(hist[it][j]);
+      }
+    }
   }
-};
+}
 
 template <int D, int W>
-__global__ void __launch_bounds__(kDecodeThreads + 32, 1) decode_kernel(Params p) {
-  constexpr int NT = kDecodeThreads, kConsumerWarps = NT / 32;
-  using Tile = StateTile<D, NT>;
+__global__ void __launch_bounds__(kDecodeBlock, 1) decode_kernel(Params p) {
+  constexpr int kConsumerWarps = kDecodeThreads / 32;
+  using Tile = GroupTile<D>;
   using Stage = DecodeStage<D, W>;
-  constexpr int RK = Tile::RK, VPL = Tile::VPL, kChanIters = Tile::kChanIters;
   constexpr int NS = Stage::kStages;
-  using Vec = typename Tile::Vec;
 
   extern __shared__ __align__(128) unsigned char ring[];
-  __shared__ StepScratch<D, NT> sm;
+  __shared__ __align__(16) TokenScratch<D> scratch[kDecodeGroups][2];
   __shared__ StageMeta meta[NS];
   __shared__ __align__(8) uint64_t full[NS], empty[NS];
 
@@ -337,31 +534,37 @@ __global__ void __launch_bounds__(kDecodeThreads + 32, 1) decode_kernel(Params p
   if (threadIdx.x == 0) {
     for (int s = 0; s < NS; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kConsumerWarps);
+      mbar_init(&empty[s], Tile::kWarps);  // the warps of the group that consumes the item
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
 
-  if (warp == kConsumerWarps) {
+  if (warp >= kConsumerWarps) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
+    if (warp != kConsumerWarps) return;
     // Producer. Lanes 0-3 fetch the next item's cu_seqlens[b], cu_seqlens[b+1], slot and
     // initial-state flag one item ahead; lane 0 issues the copies.
     auto fetch = [&](int item) {
-      const int b = item / H;
+      const int b = item % p.num_seqs;
       if (item >= total || lane > 3) return 0;
       const int* src = lane < 2 ? p.cu_seqlens + b + lane
                                 : (lane == 2 ? p.state_slots + b : p.has_initial_state + b);
       return *src;
     };
-    int mine = fetch(blockIdx.x);
-    for (int k = 0, item = blockIdx.x; item < total; ++k, item += gridDim.x) {
-      const int next = fetch(item + gridDim.x);
+    const CtaItems items(total);
+    int mine = fetch(items.begin);
+    for (int k = 0; k < items.count; ++k) {
+      const int item = items.begin + k, h = item / p.num_seqs;
+      const int next = fetch(k + 1 < items.count ? item + 1 : total);
       const int bos = __shfl_sync(0xffffffffu, mine, 0), eos = __shfl_sync(0xffffffffu, mine, 1);
       const int slot = __shfl_sync(0xffffffffu, mine, 2);
       const int continues = __shfl_sync(0xffffffffu, mine, 3) != 0;
       mine = next;
       if (lane != 0) continue;
-      const int s = k % NS, h = item % H;
+      const int s = k % NS;
+      // beta does not depend on the stage: its load overlaps the wait
+      const float beta = eos > bos ? __bfloat162float(p.beta[(int64_t)bos * H + h]) : 0.f;
       mbar_wait(&empty[s], ((k / NS) & 1) ^ 1);
       unsigned char* st = ring + s * Stage::BYTES;
       if (eos > bos) {
@@ -369,8 +572,8 @@ __global__ void __launch_bounds__(kDecodeThreads + 32, 1) decode_kernel(Params p
         if (continues) {
           const float* src = p.recurrent_state + ((int64_t)slot * H + h) * D * D;
           for (int off = 0; off < D * D; off += kStateChunk)  // 16 KiB per copy
-            bulk_load_state(st + Stage::STATE + off * 4, src + off,
-                            (D * D < kStateChunk ? D * D : kStateChunk) * 4, &full[s]);
+            bulk_load(st + Stage::STATE + off * 4, src + off,
+                      (D * D < kStateChunk ? D * D : kStateChunk) * 4, &full[s]);
         }
         const __nv_bfloat16* row = p.qkv + (int64_t)bos * P3 + h * D;
         for (int part = 0; part < 3; ++part) {
@@ -382,97 +585,12 @@ __global__ void __launch_bounds__(kDecodeThreads + 32, 1) decode_kernel(Params p
         }
         bulk_load(st + Stage::GATE, p.gate + (int64_t)bos * P + h * D, D * 2, &full[s]);
       }
-      meta[s] = StageMeta{bos, eos, slot, continues,
-                          eos > bos ? __bfloat162float(p.beta[(int64_t)bos * H + h]) : 0.f};
+      meta[s] = StageMeta{bos, eos, slot, continues, beta};
       mbar_arrive(&full[s]);
     }
-    return;
-  }
-
-  // Consumers: NT threads, the layout of StateTile.
-  const int tid = threadIdx.x;
-  const int k0 = warp * RK, v0 = lane * VPL;
-  HeadParams<D, W, NT> cur;
-  cur.load(p, blockIdx.x % H);
-  for (int k = 0, item = blockIdx.x; item < total; ++k, item += gridDim.x) {
-    HeadParams<D, W, NT> next;
-    next.load(p, (item + gridDim.x) % H);
-    const int s = k % NS, h = item % H;
-    mbar_wait(&full[s], (k / NS) & 1);
-    const StageMeta m = meta[s];
-    const unsigned char* st = ring + s * Stage::BYTES;
-    const bool active = m.eos > m.bos;
-
-    // everything this thread needs from the stage, into registers; then hand it back
-    float S[RK][VPL];
-    float hist[kChanIters][W - 1], x0[kChanIters];
-    float gate0 = 0.f;
-    if (active) {
-      const float* st_state = reinterpret_cast<const float*>(st + Stage::STATE);
-#pragma unroll
-      for (int i = 0; i < RK; ++i) {
-        Vec x{};  // a new sequence starts from zero (nothing was copied)
-        if (m.continues) x = *reinterpret_cast<const Vec*>(st_state + (k0 + i) * D + v0);
-        const float* xf = reinterpret_cast<const float*>(&x);
-#pragma unroll
-        for (int j = 0; j < VPL; ++j) S[i][j] = xf[j];
-      }
-      const __nv_bfloat16* st_qkv = reinterpret_cast<const __nv_bfloat16*>(st + Stage::QKV);
-      const __nv_bfloat16* st_conv = reinterpret_cast<const __nv_bfloat16*>(st + Stage::CONV);
-#pragma unroll
-      for (int it = 0; it < kChanIters; ++it) {
-        const int c = tid + it * NT;
-        x0[it] = c < 3 * D ? __bfloat162float(st_qkv[c]) : 0.f;
-#pragma unroll
-        for (int j = 0; j < W - 1; ++j)
-          hist[it][j] = (c < 3 * D && m.continues) ? __bfloat162float(st_conv[c * (W - 1) + j]) : 0.f;
-      }
-      if (tid < D)
-        gate0 = __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(st + Stage::GATE)[tid]);
-    }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[s]);
-
-    if (active) {
-      const float a_h = expf(cur.a_log);
-      for (int t = m.bos; t < m.eos; ++t) {
-        const bool first = t == m.bos;
-#pragma unroll
-        for (int it = 0; it < kChanIters; ++it) {
-          const int c = tid + it * NT;
-          if (c >= 3 * D) continue;
-          const float x = first ? x0[it]
-              : __bfloat162float(p.qkv[(int64_t)t * P3 + (c / D) * P + h * D + c % D]);
-          conv_dst(sm, c)[c % D] = conv_step<W>(hist[it], cur.w[it], x);
-        }
-        if (tid < D) {
-          const float g = first ? gate0 : __bfloat162float(p.gate[(int64_t)t * P + h * D + tid]);
-          sm.alpha[tid] = expf(decay_gate(g + cur.dt_bias, a_h, p.lower_bound));
-        }
-        if (tid == 0)
-          sm.beta = sigmoid(first ? m.beta : __bfloat162float(p.beta[(int64_t)t * H + h]));
-        delta_rule_step<D, NT>(S, sm, p.out + (int64_t)t * P + h * D, ConsumerSync{});
-      }
-
-      float* state = p.recurrent_state + ((int64_t)m.slot * H + h) * D * D;
-#pragma unroll
-      for (int i = 0; i < RK; ++i) {
-        Vec x;
-        float* xf = reinterpret_cast<float*>(&x);
-#pragma unroll
-        for (int j = 0; j < VPL; ++j) xf[j] = S[i][j];
-        __stcs(reinterpret_cast<Vec*>(state + (k0 + i) * D + v0), x);
-      }
-#pragma unroll
-      for (int it = 0; it < kChanIters; ++it) {
-        const int c = tid + it * NT;
-        if (c >= 3 * D) continue;
-        __nv_bfloat16* row = p.conv_state + ((int64_t)m.slot * P3 + (c / D) * P + h * D + c % D) * (W - 1);
-#pragma unroll
-        for (int j = 0; j < W - 1; ++j) row[j] = __float2bfloat16_rn(hist[it][j]);
-      }
-    }
-    cur = next;
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
+    decode_consumer<D, W>(p, ring, scratch, meta, full, empty);
   }
 }
 
