@@ -379,16 +379,23 @@ ExpandedPlan plan_expanded(int num_tokens, int num_seqs, int num_heads, int nope
   return plan;
 }
 
-template <int DN, int DR, int DV, int MB>
-cudaError_t launch_flash(const k3::mla::FlashParams& p, cudaStream_t stream) {
-  using C = k3::mla::FlashConfig<DN, DR, DV, MB>;
-  auto kernel = k3::mla::flash_prefill_kernel<DN, DR, DV, MB>;
+// Both flash kernels are persistent: one CTA per SM, or one per item when there are fewer.
+template <typename Config>
+cudaError_t launch_persistent_flash(void (*kernel)(k3::mla::FlashParams), const k3::mla::FlashParams& p,
+                                    cudaStream_t stream) {
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(C::SMEM_BYTES));
+                                         static_cast<int>(Config::SMEM_BYTES));
   if (err != cudaSuccess) return err;
   const int64_t items = static_cast<int64_t>(p.tile_bound) * p.num_heads;
-  kernel<<<static_cast<unsigned>(std::min<int64_t>(items, sm_count())), C::THREADS, C::SMEM_BYTES, stream>>>(p);
+  kernel<<<static_cast<unsigned>(std::min<int64_t>(items, sm_count())), Config::THREADS, Config::SMEM_BYTES,
+           stream>>>(p);
   return cudaGetLastError();
+}
+
+template <int DN, int DR, int DV, int MB>
+cudaError_t launch_flash(const k3::mla::FlashParams& p, cudaStream_t stream) {
+  return launch_persistent_flash<k3::mla::FlashConfig<DN, DR, DV, MB>>(k3::mla::flash_prefill_kernel<DN, DR, DV, MB>,
+                                                                       p, stream);
 }
 
 // The wgmma kernel for the K3 dims (whole expanded prefill 1.2-1.5x faster than with the
@@ -401,14 +408,7 @@ constexpr bool kFlashWgmma = true;
 #endif
 
 cudaError_t launch_flash_wgmma(const k3::mla::FlashParams& p, cudaStream_t stream) {
-  using C = k3::mla::FlashWgmmaConfig;
-  auto kernel = k3::mla::flash_prefill_wgmma_kernel;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(C::SMEM_BYTES));
-  if (err != cudaSuccess) return err;
-  const int64_t items = static_cast<int64_t>(p.tile_bound) * p.num_heads;
-  kernel<<<static_cast<unsigned>(std::min<int64_t>(items, sm_count())), C::THREADS, C::SMEM_BYTES, stream>>>(p);
-  return cudaGetLastError();
+  return launch_persistent_flash<k3::mla::FlashWgmmaConfig>(k3::mla::flash_prefill_wgmma_kernel, p, stream);
 }
 
 cudaError_t expanded_forward(const bf16* q, const bf16* latent, const bf16* w_uk, const bf16* w_uv,

@@ -23,6 +23,7 @@
 // and cross-warp reductions through shared memory).
 #pragma once
 
+#include "k3/common/warpgroup.cuh"
 #include "k3/kda/params.cuh"
 
 namespace k3 {
@@ -541,7 +542,7 @@ __global__ void __launch_bounds__(kDecodeBlock, 1) decode_kernel(Params p) {
   __syncthreads();
 
   if (warp >= kConsumerWarps) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
+    setmaxnreg_dec<kProducerRegs>();
     if (warp != kConsumerWarps) return;
     // Producer. Lanes 0-3 fetch the next item's cu_seqlens[b], cu_seqlens[b+1], slot and
     // initial-state flag one item ahead; lane 0 issues the copies.
@@ -589,7 +590,7 @@ __global__ void __launch_bounds__(kDecodeBlock, 1) decode_kernel(Params p) {
       mbar_arrive(&full[s]);
     }
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
+    setmaxnreg_inc<kConsumerRegs>();
     decode_consumer<D, W>(p, ring, scratch, meta, full, empty);
   }
 }

@@ -6,21 +6,10 @@
 
 #include <cstdint>
 
+#include "k3/common/warpgroup.cuh"
 #include "k3/mla/ptx.cuh"
 
 namespace k3::mla {
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
-}
-// Makes this thread's generic-proxy shared-memory writes (cp.async, st.shared) visible to
-// the async proxy that wgmma reads through; call before the barrier that publishes them.
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
 
 // 128B-swizzled operand at smem_ptr (its 8-row atom 1024-B aligned, or offset within a
 // 128-B row for k steps); lbo/sbo in bytes.

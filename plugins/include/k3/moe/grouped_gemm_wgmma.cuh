@@ -23,6 +23,7 @@
 #include <stdint.h>
 
 #include "../common/mbarrier.cuh"
+#include "../common/warpgroup.cuh"
 #include "grouped_gemm.cuh"
 #include "mxfp4.cuh"
 #include "permute.cuh"
@@ -56,24 +57,6 @@ __device__ __forceinline__ int wg_raw_offset(int row, int half) {
 // inside one swizzle row), stride 1024 B between 8-row groups, swizzle mode 1 (128B).
 __device__ __forceinline__ uint64_t wg_desc(const void* p) {
   return ((uint64_t)(smem_addr(p) & 0x3FFFF) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void wg_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
-}
-// Generic-proxy shared writes (cp.async, st.shared) made visible to wgmma's async proxy.
-__device__ __forceinline__ void wg_fence_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-template <int kRegs>
-__device__ __forceinline__ void wg_setmaxnreg_dec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
-}
-template <int kRegs>
-__device__ __forceinline__ void wg_setmaxnreg_inc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 
 // d (64 x 256 fp32) = (accumulate ? d : 0) + A (64 x 16, smem) · B (256 x 16, smem)ᵀ, both K-major.
@@ -248,7 +231,7 @@ __device__ __forceinline__ void wg_consume(float (&acc)[128], int cw, const WgPa
     const int st = kt % kWgStages;
     mbar_wait(&full[st], (kt / kWgStages) & 1);
     wg_dequant_row(raw + st * kWgRawTileBytes, sb + st * (kWgBN * kWgBK), row, scales);
-    wg_fence_proxy();  // the stores above and the producer's copies of this stage, for wgmma
+    fence_proxy_async();  // the stores above and the producer's copies of this stage, for wgmma
     // after the fence, which would otherwise wait for this load too
     if (kt + 1 < nk) scales = __ldg(scale_src + kt + 1);
   };
@@ -268,18 +251,18 @@ __device__ __forceinline__ void wg_consume(float (&acc)[128], int cw, const WgPa
     if constexpr (!kMxfp4) mbar_wait(&full[st], (kt / kWgStages) & 1);
     const __nv_bfloat16* a = sa + st * (kWgBM * kWgBK) + cw * 64 * kWgBK;
     const __nv_bfloat16* b = sb + st * (kWgBN * kWgBK);
-    wg_fence();
+    wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kWgBK / 16; ++ks) wgmma_m64n256k16(acc, wg_desc(a + ks * 16), wg_desc(b + ks * 16), 1);
-    wg_commit();
+    wgmma_commit();
     if constexpr (kMxfp4) {
       if (kt + 1 < nk) dequant(kt + 1);
     }
-    wg_wait<1>();  // the MMAs of k-step kt-1 have retired: release its stage
+    wgmma_wait<1>();  // the MMAs of k-step kt-1 have retired: release its stage
     if (kt > 0 && lane == 0) mbar_arrive(&empty[(kt - 1) % kWgStages]);
     if constexpr (kMxfp4) wg_consumers_sync();  // k-step kt+1's bf16 tile is complete
   }
-  wg_wait<0>();
+  wgmma_wait<0>();
   wg_fence_operand(acc);
 }
 
@@ -305,11 +288,11 @@ __global__ void __launch_bounds__(kWgThreads, 1) routed_gemm_wgmma_kernel(const 
 
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
-    wg_setmaxnreg_dec<72>();
+    setmaxnreg_dec<72>();
     wg_produce<kMxfp4, kGateUp>(p, t, sa, sb, raw, full, empty);
     return;
   }
-  wg_setmaxnreg_inc<216>();
+  setmaxnreg_inc<216>();
   const int cw = wg - 1, lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
   float acc[128];
   wg_consume<kMxfp4, kGateUp>(acc, cw, p, t, sa, sb, raw, full, empty);
