@@ -26,6 +26,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "k3/common/workspace_carver.h"
 #include "k3/mla_api.h"
 #include "k3/mla/flash_attention.cuh"
 #include "k3/mla/flash_attention_wgmma.cuh"
@@ -101,8 +102,6 @@ SplitPlan plan_splits(int num_tokens, int num_heads, int rank, int max_blocks, i
   return plan;
 }
 
-size_t align256(size_t x) { return (x + 255) / 256 * 256; }
-
 struct Workspace {
   bf16* q_lat;
   bf16* a_lat;
@@ -113,16 +112,14 @@ struct Workspace {
 
 Workspace carve(void* base, int num_tokens, int num_heads, int rank, const SplitPlan& plan) {
   const size_t rows = static_cast<size_t>(num_tokens) * num_heads;
-  const size_t lat = align256(rows * rank * sizeof(bf16));
-  const size_t part = plan.num_splits > 1 ? align256(plan.num_splits * rows * rank * sizeof(float)) : 0;
-  const size_t lse = plan.num_splits > 1 ? align256(plan.num_splits * rows * sizeof(float)) : 0;
-  char* p = static_cast<char*>(base);
+  const size_t split_rows = plan.num_splits > 1 ? plan.num_splits * rows : 0;  // partials only when split
+  k3::WorkspaceCarver c(base);
   Workspace ws{};
-  ws.q_lat = reinterpret_cast<bf16*>(p);
-  ws.a_lat = reinterpret_cast<bf16*>(p + lat);
-  ws.o_part = reinterpret_cast<float*>(p + 2 * lat);
-  ws.lse_part = reinterpret_cast<float*>(p + 2 * lat + part);
-  ws.bytes = 2 * lat + part + lse;
+  ws.q_lat = c.take<bf16>(rows * rank);
+  ws.a_lat = c.take<bf16>(rows * rank);
+  ws.o_part = c.take<float>(split_rows * rank);
+  ws.lse_part = c.take<float>(split_rows);
+  ws.bytes = c.used();
   return ws;
 }
 
@@ -317,22 +314,18 @@ struct ExpandedLayout {
 
 ExpandedLayout carve_expanded(void* base, int num_tokens, int num_seqs, int num_heads, int nope, int rope,
                               int v_dim, int64_t pass_keys, bool several_passes) {
-  const size_t offsets = align256((static_cast<size_t>(num_seqs) + 1) * sizeof(int));
-  const size_t k_nope = align256(pass_keys * num_heads * nope * sizeof(bf16));
-  const size_t v = align256(pass_keys * num_heads * v_dim * sizeof(bf16));
-  const size_t k_pe = align256(pass_keys * rope * sizeof(bf16));
-  const size_t rows = static_cast<size_t>(num_tokens) * num_heads;
-  const size_t acc = several_passes ? align256(rows * v_dim * sizeof(float)) : 0;
-  char* p = static_cast<char*>(base);
+  const size_t keys = static_cast<size_t>(pass_keys);
+  const size_t acc_rows = several_passes ? static_cast<size_t>(num_tokens) * num_heads : 0;
+  k3::WorkspaceCarver c(base);
   ExpandedLayout l{};
-  l.key_offsets = reinterpret_cast<int*>(p);
-  l.tile_offsets = reinterpret_cast<int*>(p + offsets);
-  l.k_nope = reinterpret_cast<bf16*>(p + 2 * offsets);
-  l.v = reinterpret_cast<bf16*>(p + 2 * offsets + k_nope);
-  l.k_pe = reinterpret_cast<bf16*>(p + 2 * offsets + k_nope + v);
-  l.acc = reinterpret_cast<float*>(p + 2 * offsets + k_nope + v + k_pe);
-  l.acc_lse = reinterpret_cast<float*>(p + 2 * offsets + k_nope + v + k_pe + acc);
-  l.bytes = 2 * offsets + k_nope + v + k_pe + acc + (several_passes ? align256(rows * sizeof(float)) : 0);
+  l.key_offsets = c.take<int>(static_cast<size_t>(num_seqs) + 1);
+  l.tile_offsets = c.take<int>(static_cast<size_t>(num_seqs) + 1);
+  l.k_nope = c.take<bf16>(keys * num_heads * nope);
+  l.v = c.take<bf16>(keys * num_heads * v_dim);
+  l.k_pe = c.take<bf16>(keys * rope);
+  l.acc = c.take<float>(acc_rows * v_dim);
+  l.acc_lse = c.take<float>(acc_rows);
+  l.bytes = c.used();
   return l;
 }
 

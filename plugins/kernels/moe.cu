@@ -6,6 +6,7 @@
 
 #include <type_traits>
 
+#include "k3/common/workspace_carver.h"
 #include "k3/moe/decode_gemm.cuh"
 #include "k3/moe/decode_route.cuh"
 #include "k3/moe/grouped_gemm.cuh"
@@ -19,10 +20,6 @@ namespace {
 
 using namespace k3::moe;
 
-constexpr size_t kAlign = 256;
-
-size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
-
 struct Workspace {
   float* logits;
   int* topk_ids;
@@ -35,29 +32,24 @@ struct Workspace {
 
 // Carves the workspace (base == nullptr: sizes only).
 Workspace carve(char* base, int T, int E, int k, int El, int L, int I) {
+  k3::WorkspaceCarver c(base);
   Workspace w{};
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    char* p = base != nullptr ? base + off : nullptr;
-    off += align_up(bytes);
-    return p;
-  };
   const size_t assignments = (size_t)T * k;
   const size_t tiles = (size_t)max_m_tiles((int)assignments, El, 8);  // the smallest tiles (decode, T <= 8)
-  w.logits = reinterpret_cast<float*>(take((size_t)T * E * sizeof(float)));
-  w.topk_ids = reinterpret_cast<int*>(take(assignments * sizeof(int)));
-  w.topk_weights = reinterpret_cast<float*>(take(assignments * sizeof(float)));
-  w.schedule.counts = reinterpret_cast<int*>(take((size_t)El * sizeof(int)));
-  w.schedule.fill = reinterpret_cast<int*>(take((size_t)El * sizeof(int)));
-  w.schedule.offsets = reinterpret_cast<int*>(take((size_t)(El + 1) * sizeof(int)));
-  w.schedule.tile_expert = reinterpret_cast<int*>(take(tiles * sizeof(int)));
-  w.schedule.tile_row = reinterpret_cast<int*>(take(tiles * sizeof(int)));
-  w.schedule.num_tiles = reinterpret_cast<int*>(take(sizeof(int)));
-  w.schedule.sorted_token = reinterpret_cast<int*>(take(assignments * sizeof(int)));
-  w.schedule.sorted_weight = reinterpret_cast<float*>(take(assignments * sizeof(float)));
-  w.h = reinterpret_cast<__nv_bfloat16*>(take(assignments * I * sizeof(__nv_bfloat16)));
-  w.acc = reinterpret_cast<float*>(take((size_t)T * L * sizeof(float)));
-  w.bytes = off;
+  w.logits = c.take<float>((size_t)T * E);
+  w.topk_ids = c.take<int>(assignments);
+  w.topk_weights = c.take<float>(assignments);
+  w.schedule.counts = c.take<int>(El);
+  w.schedule.fill = c.take<int>(El);
+  w.schedule.offsets = c.take<int>((size_t)El + 1);
+  w.schedule.tile_expert = c.take<int>(tiles);
+  w.schedule.tile_row = c.take<int>(tiles);
+  w.schedule.num_tiles = c.take<int>(1);
+  w.schedule.sorted_token = c.take<int>(assignments);
+  w.schedule.sorted_weight = c.take<float>(assignments);
+  w.h = c.take<__nv_bfloat16>(assignments * I);
+  w.acc = c.take<float>((size_t)T * L);
+  w.bytes = c.used();
   return w;
 }
 
