@@ -42,7 +42,9 @@ def main() -> int:
               tensor("stream", not args.no_stream, np.bool_),
               tensor("temperature", args.temperature, np.float32),
               tensor("top_k", args.top_k, np.int32),
-              tensor("top_p", args.top_p, np.float32)]
+              tensor("top_p", args.top_p, np.float32),
+              # Only the completion, also with --no-stream (TensorRT-LLM's default leads with the prompt).
+              tensor("exclude_input_in_output", True, np.bool_)]
     if args.seed is not None:
         inputs.append(tensor("seed", args.seed, np.uint64))
 

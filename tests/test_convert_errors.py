@@ -15,6 +15,7 @@ from k3_trtllm.checkpoint.synth import preset_config, synth_tensors, write_check
 from k3_trtllm.cli import main
 from k3_trtllm.config import ConfigError, parse_config
 from k3_trtllm.convert import ConvertError, convert_checkpoint
+from k3_trtllm.utils.atomic import MARKER, OutputError
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +90,12 @@ def test_wrong_shape(tiny_tensors, tmp_path, out):
 
 
 def test_wrong_dtype(tiny_tensors, tmp_path, out):
+    # Any float dtype is accepted for a float tensor (spec §5.4 erratum); an integer one is not.
     name = "model.layers.0.self_attn.A_log"
-    hf = _variant(tmp_path, dict(tiny_tensors, **{name: tiny_tensors[name].bfloat16()}))
+    hf = _variant(tmp_path, dict(tiny_tensors, **{name: tiny_tensors[name].to(torch.int32)}))
     _fails(hf, out, CheckpointError, f"{hf}: 1 tensor(s) do not match config.json\n"
-                                     f"  {_shard_of(hf, name)}: tensor '{name}' has dtype bfloat16, expected float32")
+                                     f"  {_shard_of(hf, name)}: tensor '{name}' has dtype int32, expected float32 or "
+                                     "bfloat16 or float16 or float64")
 
 
 def test_index_names_missing_shard(ckpt_dir, tmp_path, out):
@@ -146,19 +149,26 @@ def test_mxfp4_requested_from_bf16_experts(ckpt_dir, out):
 
 
 def test_existing_out_dir_needs_force(ckpt_dir, out):
+    """--force replaces only what k3-trt convert wrote; a directory of the user's stays."""
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     _fails(ckpt_dir("tiny"), out, FileExistsError, f"{out}: already exists (pass --force to replace it)")
-    assert (out / "keep.txt").read_text() == "mine"
-    convert_checkpoint(ckpt_dir("tiny"), out, force=True, progress=False)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "rank0.safetensors"]
+    _fails(ckpt_dir("tiny"), out, OutputError, f"{out}: not replaced: it has no {MARKER}, so k3-trt did not write it "
+           "(remove it yourself or choose another output)", force=True)
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    out.rmdir()
+    convert_checkpoint(ckpt_dir("tiny"), out, progress=False)
+    convert_checkpoint(ckpt_dir("tiny"), out, tp=2, force=True, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "config.json", "rank0.safetensors", "rank1.safetensors"]
     assert sorted(p.name for p in out.parent.iterdir()) == ["out"]
 
 
 @pytest.mark.parametrize("workers", [1, 3])
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, RuntimeError])
 def test_interrupted_run_leaves_nothing(interrupt, workers, ckpt_dir, out, monkeypatch):
-    """Ctrl-C (or any error) half way: no OUT_DIR, no temp dir, and a --force target intact."""
+    """Ctrl-C (or any error) half way: no OUT_DIR, no temp dir, and a --force target (an
+    earlier conversion) intact byte for byte."""
     convert = convert_run._convert_piece
     calls = []
 
@@ -168,18 +178,20 @@ def test_interrupted_run_leaves_nothing(interrupt, workers, ckpt_dir, out, monke
             raise interrupt("stop")
         return convert(piece, *args)
 
-    monkeypatch.setattr(convert_run, "_convert_piece", flaky)
+    earlier = {}
     for force in (False, True):
-        if force:
-            out.mkdir()
-            (out / "keep.txt").write_text("mine")
+        if force:  # the target: an earlier conversion, made without interruption
+            monkeypatch.setattr(convert_run, "_convert_piece", convert)
+            convert_checkpoint(ckpt_dir("tiny"), out, progress=False)
+            earlier = {p.name: p.read_bytes() for p in out.iterdir()}
+        monkeypatch.setattr(convert_run, "_convert_piece", flaky)
         before = sorted(p.name for p in out.parent.iterdir())
         calls.clear()
         with pytest.raises(interrupt):
             convert_checkpoint(ckpt_dir("tiny"), out, tp=2, workers=workers, force=force, progress=False)
         assert 40 <= len(calls) < 60  # stopped where interrupted (a tp=2 tiny run has 715 pieces)
         assert sorted(p.name for p in out.parent.iterdir()) == before
-    assert (out / "keep.txt").read_text() == "mine"
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == earlier
 
 
 def test_cli_end_to_end(ckpt_dir, out):
@@ -187,7 +199,7 @@ def test_cli_end_to_end(ckpt_dir, out):
     ok = runner.invoke(main, ["convert", str(ckpt_dir("tiny-mxfp4")), str(out), "--tp", "2", "--ep", "2", "--quiet"])
     assert ok.exit_code == 0, ok.output
     assert ok.output.strip() == str(out)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "rank0.safetensors", "rank1.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "config.json", "rank0.safetensors", "rank1.safetensors"]
     again = runner.invoke(main, ["convert", str(ckpt_dir("tiny-mxfp4")), str(out)])
     assert again.exit_code == 1
     assert f"Error: {out}: already exists (pass --force to replace it)" in again.output

@@ -14,12 +14,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import tritonclient.grpc as grpcclient
 from click.testing import CliRunner
 from helpers import live_processes
 from tritonclient.utils import np_to_triton_dtype
 
 from k3_trtllm.cli.run import run as run_command
+from k3_trtllm.runtime.engine import build_engine
+from k3_trtllm.runtime.tokenizer import ByteTokenizer
+from k3_trtllm.serve.protocol import parse_request
 from k3_trtllm.serve.repository import write_model_repository
 from k3_trtllm.serve.server import TritonServer
 from k3_trtllm.utils.net import free_port
@@ -163,7 +167,10 @@ def test_concurrent_streams_equal_k3_trt_run_greedy_output(server, reference):
     (request("x" * 95, 4), "exceeds max_seq_len 96"),
     (request(max_tokens=4, input_ids=np.array([[5, 5000]], dtype=np.int32)), "outside the vocabulary"),
     (request("hi", 4, temperature=np.array([[-1.0]], dtype=np.float32)), "temperature must be >= 0"),
-], ids=["no-prompt", "max-tokens-0", "max-tokens-fp32", "over-long", "ids-outside-vocab", "bad-temperature"])
+    (request("hi", 4, beam_width=np.array([[2]], dtype=np.int32)), "input 'beam_width': beam search is not supported"),
+    (request("hi", 4, lora_task_id=np.array([[3]], dtype=np.uint64)), "input 'lora_task_id': LoRA is not supported"),
+], ids=["no-prompt", "max-tokens-0", "max-tokens-fp32", "over-long", "ids-outside-vocab", "bad-temperature",
+        "beam-width-2", "lora"])
 def test_bad_request_gets_a_clear_error_and_the_next_request_succeeds(server, reference, inputs, message):
     stream = Stream(server)
     try:
@@ -171,11 +178,86 @@ def test_bad_request_gets_a_clear_error_and_the_next_request_succeeds(server, re
         with pytest.raises(Exception, match=re.escape(message)):
             while not stream.next()[3]:
                 pass
-        stream.send(request(PROMPTS[2], MAX_TOKENS[2], stream=False), request_id="good")
+        stream.send(request(PROMPTS[2], MAX_TOKENS[2], stream=False,
+                            exclude_input_in_output=np.array([[True]])), request_id="good")
         chunks = stream.collect(["good"])["good"]
     finally:
         stream.close()
     assert chunks == [reference[2]]  # not streaming: one response with every token
+
+
+def every_input(prompt, stop_word, x_bias):
+    """One request carrying every input of TensorRT-LLM's ensemble that k3-trt serves, at
+    non-neutral values, and the others at their neutral ones."""
+    def b(values, dtype):  # one batch row
+        return np.array([values], dtype=dtype)
+
+    return {
+        "text_input": b([prompt.encode()], np.object_), "max_tokens": b([12], np.int32),
+        "num_return_sequences": b([1], np.int32), "bad_words": b([b"e", b"", b"ab"], np.object_),
+        "stop_words": b([stop_word.encode()], np.object_), "exclude_input_in_output": b([False], np.bool_),
+        "end_id": b([2], np.int32), "pad_id": b([0], np.int32), "top_k": b([20], np.int32),
+        "top_p": b([0.9], np.float32), "temperature": b([0.8], np.float32), "length_penalty": b([1.0], np.float32),
+        "repetition_penalty": b([1.2], np.float32), "min_tokens": b([4], np.int32),
+        "presence_penalty": b([0.3], np.float32), "frequency_penalty": b([0.2], np.float32),
+        "seed": b([1234], np.uint64), "return_log_probs": b([True], np.bool_),
+        "return_context_logits": b([False], np.bool_), "return_generation_logits": b([False], np.bool_),
+        "return_perf_metrics": b([False], np.bool_), "return_kv_cache_reuse_stats": b([False], np.bool_),
+        "beam_width": b([1], np.int32), "stream": b([False], np.bool_), "prompt_vocab_size": b([0], np.int32),
+        "embedding_bias_words": b([b"x", b"yz"], np.object_), "embedding_bias_weights": b([x_bias, -1.0], np.float32),
+        "parse_special_tokens": b([False], np.bool_),
+    }
+
+
+def test_one_request_carrying_every_input(server):
+    """Through the server, the same tokens and log-probabilities as the engine in this
+    process given the same parameters; bad words never appear, the end id not before
+    min_tokens, the stop word ends the output, the prompt leads the answer."""
+    tok, prompt = ByteTokenizer(), "the quick brown fox"
+    engine = build_engine(str(TINY), dtype=torch.float32, device="cpu",
+                          **{k: v for k, v in ENGINE.items() if k != "dtype"})
+    # The tiny model mostly draws ids past the 256 bytes, which no text names: a bias on
+    # "x" makes it likely enough to serve as the stop word, taken with the first bias whose
+    # unstopped output (computed here) has its first "x" after a few tokens.
+    (x,), (e,), (a, b) = tok.encode("x"), tok.encode("e"), tok.encode("ab")
+    for x_bias in np.arange(1.0, 12.0, 0.25):
+        probe = parse_request(every_input(prompt, "", x_bias).get, tok)
+        free = engine.generate([probe.prompt], probe.sampling)[0]
+        out = free.output_token_ids
+        if x in out[2:] and x not in out[:2]:
+            break
+    else:
+        pytest.fail("no bias on 'x' puts it in the output after two tokens")
+    full = probe.prompt + out
+    assert e not in out and (a, b) not in {(full[i - 1], full[i]) for i in range(len(probe.prompt), len(full))}
+    assert 2 not in out[:4]  # min_tokens holds back the end id
+    cut = out.index(x) + 1
+    expected_ids, expected_lps = out[:cut], free.output_log_probs[:cut]
+
+    stream = Stream(server)
+    try:
+        inputs = [tensor(name, array) for name, array in every_input(prompt, "x", x_bias).items()]
+        results = []
+        stream.client.async_stream_infer("k3", inputs, request_id="all", enable_empty_final_response=True)
+        while True:
+            result, error = stream.events.get(timeout=RESPONSE_TIMEOUT_S)
+            assert error is None, error
+            results.append(result)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+    finally:
+        stream.close()
+    answers = [r for r in results if r.get_response().outputs]
+    assert len(answers) == 1  # not streaming: one answer
+    answer = answers[0]
+    prompt_ids = tok.encode(prompt)
+    assert answer.as_numpy("output_ids").reshape(-1).tolist() == prompt_ids + expected_ids
+    assert answer.as_numpy("text_output").reshape(-1)[0].decode() == prompt + tok.decode(expected_ids)
+    log_probs = answer.as_numpy("output_log_probs")
+    assert log_probs.shape == (1, 1, len(expected_ids))
+    np.testing.assert_allclose(log_probs.reshape(-1), expected_lps, atol=1e-5)
+    np.testing.assert_allclose(answer.as_numpy("cum_log_probs").reshape(-1), [sum(expected_lps)], atol=1e-4)
+    assert all(lp <= 0 for lp in expected_lps)
 
 
 def test_cancelling_mid_stream_frees_the_requests_blocks_and_slot(server, reference):

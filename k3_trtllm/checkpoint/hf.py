@@ -12,17 +12,16 @@ import json
 import os
 import re
 import threading
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 
 from ..config import K3Config, load_config
+from .detect import TRTLLM, checkpoint_format
+from .errors import CheckpointError
 from .safetensors_format import SafetensorsFormatError, TensorInfo, read_header, read_tensor, row_span
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read or does not match its config; names the file/tensor."""
-
+__all__ = ["CheckpointError", "HFCheckpoint", "canonical_name"]
 
 _SKIP_PREFIXES = ("vision_tower.", "mm_projector.")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -43,6 +42,9 @@ def canonical_name(name: str) -> str:
 class HFCheckpoint:
     def __init__(self, path: str | Path, config: K3Config | None = None):
         self.path = Path(path)
+        if config is None and checkpoint_format(self.path) == TRTLLM:
+            raise CheckpointError(f"{self.path}: a checkpoint written by `k3-trt convert`; this step reads an HF "
+                                  "K3 checkpoint: pass the directory it was converted from")
         if not self.path.is_dir():
             raise CheckpointError(f"{self.path}: not a directory (expected an HF K3 checkpoint directory)")
         self.config = config or load_config(self.path)
@@ -58,14 +60,16 @@ class HFCheckpoint:
                 shard_names = set(weight_map.values())
             except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
                 raise CheckpointError(f"{index_file}: expected JSON with a `weight_map` object ({e})") from e
-            files = sorted(self.path / f for f in shard_names)
-            missing = [f.name for f in files if not f.exists()]
+            files = sorted({self._shard(index_file, name) for name in shard_names})
+            missing = [str(f.relative_to(self.path)) for f in files if not f.exists()]
             if missing:
                 raise CheckpointError(f"{index_file}: names shard(s) that do not exist: {', '.join(missing)}")
         else:
             files = sorted(self.path.glob("*.safetensors"))
             if not files:
                 raise CheckpointError(f"{self.path}: no *.safetensors files and no model.safetensors.index.json")
+            for f in files:
+                self._check_inside(f, f"{f}: a symbolic link")
         index: dict[str, TensorInfo] = {}
         num_layers = self.config.num_hidden_layers
         for f in files:
@@ -73,6 +77,8 @@ class HFCheckpoint:
                 header = read_header(f)
             except SafetensorsFormatError as e:
                 raise CheckpointError(str(e)) from e
+            except OSError as e:
+                raise CheckpointError(f"{f}: cannot read ({e.strerror or e})") from e
             for raw, info in header.items():
                 if raw.startswith(_SKIP_PREFIXES) or "rotary_emb." in raw:
                     continue
@@ -85,6 +91,31 @@ class HFCheckpoint:
                         f"{f.name}: tensor {raw!r} duplicates {index[name].key!r} in {index[name].file.name}")
                 index[name] = info
         return files, index
+
+    def _shard(self, index_file: Path, name) -> Path:
+        """The index's shard ``name`` as a path, refused unless it lies inside the checkpoint
+        directory: the index is untrusted input, and must not make k3-trt open other files."""
+        if not isinstance(name, str) or not name or "\0" in name:
+            raise CheckpointError(f"{index_file}: shard name {name!r} is not a file name")
+        rel = PurePosixPath(name)
+        if rel.is_absolute() or ".." in rel.parts:
+            raise CheckpointError(f"{index_file}: shard {name!r} lies outside {self.path} (shard names are paths "
+                                  "relative to the checkpoint directory, without '..')")
+        f = self.path / rel
+        self._check_inside(f, f"{index_file}: shard {name!r}")
+        return f
+
+    def _check_inside(self, f: Path, what: str) -> None:
+        """Refuse ``f`` if it is (or passes through) a symbolic link to outside the checkpoint.
+        The Hugging Face hub cache is the one known layout that links out: a snapshot
+        directory ``.../snapshots/<revision>/`` links each file to ``.../blobs/<hash>``."""
+        real = f.resolve()
+        base = self.path.resolve()
+        roots = [base]
+        if base.parent.name == "snapshots":
+            roots.append(base.parent.parent / "blobs")
+        if not any(real.is_relative_to(root) for root in roots):
+            raise CheckpointError(f"{what} resolves to {real}, outside the checkpoint directory {base}")
 
     def _is_mtp(self, layer: int) -> bool:
         n = int(self.config.raw.get("num_nextn_predict_layers") or 0)

@@ -8,7 +8,7 @@ model would have built from the HF files.
 | --- | --- | --- | --- |
 | ``vocab_embedding.weight`` | ``model.embed_tokens.weight`` | — | rows (vocab) |
 | ``input_layernorm.weight`` / ``post_layernorm.weight`` | ``input_layernorm`` / ``post_attention_layernorm`` | — | replicate |
-| ``attn_res.attention_query`` / ``attn_res.mlp_query`` | ``self_attention_res_{norm,proj}`` / ``mlp_res_{norm,proj}`` | fp32(norm)·fp32(proj): the effective query of spec §4.7.1 (exact in fp32) | replicate |
+| ``attn_res.attention_query`` / ``attn_res.mlp_query`` | ``self_attention_res_{norm,proj}`` / ``mlp_res_{norm,proj}`` | fp32(norm)·fp32(proj) of the bf16 parameters: the effective query of spec §4.7.1 (exact in fp32) | replicate |
 | KDA ``attention.in_proj.weight`` | ``q_proj, k_proj, v_proj, g_proj, f_a_proj, b_proj`` | row concat | rows per part (``f_a_proj`` replicated) |
 | KDA ``attention.conv1d.weight`` | ``{q,k,v}_conv1d.weight`` | ``[P,1,W]`` → ``[P,W]``, row concat, fp32 | rows per part |
 | KDA ``attention.f_b.weight``, ``A_log``, ``dt_bias`` | same names | ``A_log`` → ``[H]``, fp32 | rows (heads) |
@@ -29,6 +29,10 @@ model would have built from the HF files.
 | ``attn_res_out.query`` | ``model.output_attn_res_{norm,proj}`` | fp32(norm)·fp32(proj) | replicate |
 | ``lm_head.weight`` | ``lm_head.weight`` | — | rows (vocab) |
 
+Files may store any float tensor in any float dtype (spec §5.4 erratum); every part is
+cast to the dtype the model keeps it in (``to_kept``: exact upcasts, round-to-nearest-even
+downcasts) before its transformation. Shapes and the MXFP4 bytes are checked strictly.
+
 TP splits are over all ``tp`` ranks; routed experts are split contiguously over the
 ``moe_ep`` ranks and each expert's intermediate dimension over the ``moe_tp = tp / ep``
 ranks (TensorRT-LLM's MoE mapping).
@@ -44,10 +48,15 @@ import torch
 from ..config import K3Config
 from ..ops.moe.mxfp4 import dequantize_mxfp4
 
-BF16 = (torch.bfloat16,)
-FP32 = (torch.float32,)
-FLOAT = (torch.bfloat16, torch.float32)  # file dtype not fixed by the spec (§5.5 router, §5.4 o_norm)
+# File dtypes each part accepts. The spec's dtype column is the dtype the model keeps, not
+# a promise about the file (§5.4 erratum): a float tensor may be stored in any float dtype
+# and is cast by ``to_kept``; the first entry is the dtype the spec's checkpoint holds (what
+# synth writes). Only the MXFP4 bytes are fixed: packed values are U8, and scales U8 or
+# F8_E8M0 (the same E8M0 bytes under their own name).
+BF16 = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+FP32 = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 U8 = (torch.uint8,)
+E8M0 = (torch.uint8, torch.float8_e8m0fnu)
 
 # How a part is divided over ranks: along its first dimension (ROWS), its second (COLS),
 # or not at all. A non-expert part is divided over the tp ranks; an expert part lives on
@@ -66,7 +75,7 @@ BYTE_COPY = ("copy", "concat", "conv", "experts")
 class Part:
     source: str  # canonical flat HF name, e.g. "model.layers.3.self_attn.q_a_proj.weight"
     shape: tuple[int, ...]  # expected HF shape
-    dtypes: tuple[torch.dtype, ...]  # accepted HF dtypes
+    dtypes: tuple[torch.dtype, ...]  # accepted file dtypes, the spec's first
     split: str = REPLICATE
     alt_shapes: tuple[tuple[int, ...], ...] = ()  # legacy shapes the loader also accepts (same layout)
     expert: int | None = None  # routed expert index
@@ -160,7 +169,7 @@ def _kda_targets(cfg: K3Config, a: str, t: str) -> Iterator[Target]:
     yield Target(t + "f_b.weight", (_p(a + "f_b_proj.weight", (P, Dk), BF16, ROWS),), "copy", torch.bfloat16)
     yield Target(t + "A_log", (_p(a + "A_log", (H,), FP32, ROWS, alt=[(1, 1, H, 1)]),), "copy", torch.float32)
     yield Target(t + "dt_bias", (_p(a + "dt_bias", (P,), FP32, ROWS),), "copy", torch.float32)
-    yield Target(t + "o_norm.weight", (_p(a + "o_norm.weight", (Dk,), FLOAT),), "copy", torch.bfloat16)
+    yield Target(t + "o_norm.weight", (_p(a + "o_norm.weight", (Dk,), FP32),), "copy", torch.bfloat16)
     yield Target(t + "dense.weight", (_p(a + "o_proj.weight", (d, P), BF16, COLS),), "copy", torch.bfloat16)
 
 
@@ -194,8 +203,8 @@ def _moe_targets(cfg: K3Config, b: str, t: str, dequantize_experts: bool) -> Ite
     moe, d = cfg.moe, cfg.hidden_size
     E, inter = moe.num_experts, moe.moe_intermediate_size
     lat = moe.latent_size or d
-    yield Target(t + "router.weight", (_p(b + "gate.weight", (E, d), FLOAT),), "copy", torch.float32)
-    yield Target(t + "router.e_score_correction_bias", (_p(b + "gate.e_score_correction_bias", (E,), FLOAT),),
+    yield Target(t + "router.weight", (_p(b + "gate.weight", (E, d), BF16),), "copy", torch.float32)
+    yield Target(t + "router.e_score_correction_bias", (_p(b + "gate.e_score_correction_bias", (E,), FP32),),
                  "copy", torch.float32)
     if moe.num_shared_experts:
         s, si = b + "shared_experts.", moe.shared_intermediate_size
@@ -221,9 +230,9 @@ def _moe_targets(cfg: K3Config, b: str, t: str, dequantize_experts: bool) -> Ite
                 _p(x + f"{e}.{w}.weight", (rows, cols), BF16, split, expert=e) for e in range(E) for w in names
             ), "experts", torch.bfloat16, per_expert=len(names))
             continue
-        packed = {suffix: tuple(_p(x + f"{e}.{w}.{suffix}", (rows, cols // div), U8, split, expert=e)
+        packed = {suffix: tuple(_p(x + f"{e}.{w}.{suffix}", (rows, cols // div), dtypes, split, expert=e)
                                 for e in range(E) for w in names)
-                  for suffix, div in (("weight_packed", 2), ("weight_scale", 32))}
+                  for suffix, div, dtypes in (("weight_packed", 2, U8), ("weight_scale", 32, E8M0))}
         if dequantize_experts:
             pairs = tuple(p for pair in zip(packed["weight_packed"], packed["weight_scale"]) for p in pair)
             yield Target(t + f"experts.{fused}.weight", pairs, "dequant_experts", torch.bfloat16,
@@ -233,26 +242,38 @@ def _moe_targets(cfg: K3Config, b: str, t: str, dequantize_experts: bool) -> Ite
                 yield Target(t + f"experts.{fused}.{suffix}", parts, "experts", torch.uint8, per_expert=len(names))
 
 
+def to_kept(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A part as stored in the file, in the dtype the model keeps it in: the one cast rule of
+    the HF loader and the converter. Float to float: upcasts are exact; downcasts round to
+    nearest, ties to even (``Tensor.to``), as vLLM's ``param.data.copy_`` does. E8M0 MXFP4
+    scales are reinterpreted as their U8 bytes, not converted by value."""
+    if tensor.dtype == torch.float8_e8m0fnu:
+        return tensor.view(torch.uint8)
+    return tensor.to(dtype)
+
+
 def unit_output(target: Target, tensors: list[torch.Tensor], cfg: K3Config) -> torch.Tensor:
-    """One unit's contribution (rank-local or whole, in canonical part shapes)."""
+    """One unit's contribution (rank-local or whole, in canonical part shapes, any accepted dtype)."""
     kind = target.combine
     if kind in ("copy", "concat", "experts"):
-        return tensors[0].to(target.dtype).contiguous()
+        return to_kept(tensors[0], target.dtype).contiguous()
     if kind == "conv":
         x = tensors[0]
-        return x.reshape(x.shape[0], -1).to(target.dtype).contiguous()
+        return to_kept(x.reshape(x.shape[0], -1), target.dtype).contiguous()
     if kind == "dequant_experts":
         packed, scale = tensors
-        return dequantize_mxfp4(packed, scale, target.dtype)
+        return dequantize_mxfp4(packed, to_kept(scale, torch.uint8), target.dtype)
     if kind in ("uk", "uv"):
         m = cfg.mla
-        kv_b = tensors[0].to(target.dtype)
+        kv_b = to_kept(tensors[0], target.dtype)
         per_head = kv_b.view(-1, m.qk_nope_head_dim + m.v_head_dim, kv_b.shape[-1])
         part = per_head[:, : m.qk_nope_head_dim] if kind == "uk" else per_head[:, m.qk_nope_head_dim:]
         return part.contiguous()
     if kind == "query":
-        norm, proj = tensors
-        return (norm.to(torch.float32) * proj.reshape(-1).to(torch.float32)).contiguous()
+        # The model keeps the norm and the projection as bf16 parameters (spec §5.3) whatever
+        # the file holds; the fp32 product of two bf16 values is exact.
+        norm, proj = (to_kept(x, torch.bfloat16).to(torch.float32) for x in tensors)
+        return (norm * proj.reshape(-1)).contiguous()
     raise ValueError(f"unknown combine kind {kind!r} for {target.name}")
 
 

@@ -14,11 +14,11 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from ..config import K3Config, parse_config
 from ..ops.moe.mxfp4 import quantize_mxfp4
-from ..utils.atomic import atomic_output_dir
+from ..utils.atomic import atomic_output_dir, write_file
 from .loader import expected_sources
 from .mapping import targets
 
@@ -78,13 +78,6 @@ def preset_config(name: str) -> dict:
 PRESETS = ("tiny", "tiny-mxfp4", "tiny-nested", "kernel-shapes")
 
 
-def _file_dtype(name: str, accepted: tuple[torch.dtype, ...]) -> torch.dtype:
-    """Where the spec allows either dtype, write what real checkpoints hold (§5.4, §5.5)."""
-    if name.endswith(("o_norm.weight", "e_score_correction_bias")):
-        return torch.float32
-    return accepted[0]
-
-
 def _init(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     def normal(std: float) -> torch.Tensor:
         return torch.randn(shape, generator=gen) * std
@@ -119,7 +112,7 @@ def synth_tensors(cfg: K3Config, seed: int = 0) -> dict[str, torch.Tensor]:
         part = parts[name]
         if name.endswith(".weight_packed") or name.endswith(".weight_scale"):
             continue  # produced with their bf16 originals below
-        out[name] = _init(name, part.shape, _file_dtype(name, part.dtypes), gen)
+        out[name] = _init(name, part.shape, part.dtypes[0], gen)  # the dtype real checkpoints hold
     if cfg.moe is not None and cfg.moe.mxfp4:
         inter, lat = cfg.moe.moe_intermediate_size, cfg.moe.latent_size or cfg.hidden_size
         for name, part in parts.items():
@@ -133,9 +126,10 @@ def synth_tensors(cfg: K3Config, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def write_checkpoint(out_dir: str | Path, config: dict, tensors: dict[str, torch.Tensor],
                      max_shard_bytes: int = 2 << 20, force: bool = False) -> Path:
-    """Write ``config.json`` + safetensors shards + index atomically (temp dir, rename)."""
+    """Write ``config.json`` + safetensors shards + index atomically (temp dir, rename),
+    marked as k3-trt's (``utils.atomic``)."""
     out = Path(out_dir)
-    with atomic_output_dir(out, force) as tmp:
+    with atomic_output_dir(out, "hf-checkpoint", force=force) as tmp:
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
         for name, t in tensors.items():
@@ -148,12 +142,12 @@ def write_checkpoint(out_dir: str | Path, config: dict, tensors: dict[str, torch
         weight_map = {}
         for i, shard in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+            write_file(tmp / fname, save(shard, metadata={"format": "pt"}))
             weight_map.update({k: fname for k in shard})
         total = sum(t.numel() * t.element_size() for t in tensors.values())
-        (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        write_file(tmp / "model.safetensors.index.json",
+                   json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        write_file(tmp / "config.json", json.dumps(config, indent=2))
     return out
 
 

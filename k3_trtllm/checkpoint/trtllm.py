@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..config import ConfigError, K3Config, parse_config
-from .hf import CheckpointError
+from .errors import CheckpointError
 from .safetensors_format import SafetensorsFormatError, load_tensors, read_header
 
 ARCHITECTURE = "KimiK3ForCausalLM"

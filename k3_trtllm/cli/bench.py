@@ -1,11 +1,12 @@
 """``k3-trt bench``: throughput and latency of the engine under synthetic load."""
 from __future__ import annotations
 
-import json
-
 import click
 
-from .run import build_engine_from_options, engine_options
+from k3_trtllm.utils import strict_json
+
+from ._progress import progress_bar
+from .run import build_engine_from_options, engine_options, quiet_option, rank_failures, threads_option
 
 
 def _length_range(ctx, param, value: str) -> tuple[int, int]:
@@ -23,7 +24,8 @@ def _length_range(ctx, param, value: str) -> tuple[int, int]:
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--num-requests", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--arrival-rate", type=click.FloatRange(min=0, min_open=True), default=float("inf"),
-              show_default=True, help="Poisson arrivals, requests/s; inf sends all at once.")
+              show_default=True, help="Poisson arrivals, requests/s; inf sends all at once (null in the "
+              "JSON report).")
 @click.option("--prompt-len", default="16:256", show_default=True, callback=_length_range,
               help="Prompt tokens, N or MIN:MAX (uniform).")
 @click.option("--output-len", default="16:128", show_default=True, callback=_length_range,
@@ -32,22 +34,33 @@ def _length_range(ctx, param, value: str) -> tuple[int, int]:
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True,
               help="Requests run before timing (first-call overheads).")
 @engine_options
-def bench(model_dir, num_requests, arrival_rate, prompt_len, output_len, seed, warmup, **engine_kwargs):
+@threads_option
+@quiet_option
+def bench(model_dir, num_requests, arrival_rate, prompt_len, output_len, seed, warmup, quiet, **engine_kwargs):
     """Serve N random requests arriving over time; print throughput, TTFT/TPOT
-    percentiles and the scheduler's CPU time per step as JSON."""
+    percentiles and the scheduler's CPU time per step as strict JSON (non-finite
+    numbers are null), with a progress bar on stderr."""
+    import torch
+
     from k3_trtllm.runtime.benchmark import make_workload, run_workload
+    from k3_trtllm.runtime.distributed import step_broadcast_cost
 
     engine = build_engine_from_options(model_dir, **engine_kwargs)
     try:
-        work = make_workload(num_requests, prompt_len, output_len, arrival_rate, engine.vocab_size, seed)
-        if warmup:
-            warm = make_workload(warmup, prompt_len, (2, 2), float("inf"), engine.vocab_size, seed + 1)
-            run_workload(engine, warm)
-            engine.reset_stats()
-        report = run_workload(engine, work)
+        with rank_failures():
+            work = make_workload(num_requests, prompt_len, output_len, arrival_rate, engine.vocab_size, seed)
+            if warmup:
+                warm = make_workload(warmup, prompt_len, (2, 2), float("inf"), engine.vocab_size, seed + 1)
+                run_workload(engine, warm)
+                engine.reset_stats()
+            with progress_bar(num_requests, "bench", "req", quiet) as bar:
+                report = run_workload(engine, work, on_finished=bar.update)
+            broadcast = step_broadcast_cost(engine)  # world size > 1 only
+            if broadcast is not None:
+                report["step_broadcast"] = broadcast
     except ValueError as e:
         raise click.ClickException(str(e)) from e
     report["config"] = {"model_dir": model_dir, "num_requests": num_requests, "arrival_rate": arrival_rate,
                         "prompt_len": list(prompt_len), "output_len": list(output_len), "seed": seed,
-                        **{k: v for k, v in engine_kwargs.items()}}
-    click.echo(json.dumps(report, indent=2))
+                        **{k: v for k, v in engine_kwargs.items()}, "threads": torch.get_num_threads()}
+    click.echo(strict_json.dumps(report, indent=2))

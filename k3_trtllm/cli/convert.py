@@ -9,6 +9,7 @@ from ..checkpoint.hf import CheckpointError
 from ..config import ConfigError
 from ..convert import ConvertError, convert_checkpoint
 from ..convert.run import EXPERT_FORMATS
+from ..utils.atomic import OutputError, describe_os_error
 
 
 @click.command()
@@ -26,7 +27,7 @@ from ..convert.run import EXPERT_FORMATS
               help="Routed-expert format: keep MXFP4 packed + scales, or dequantise to bf16. Default: as stored.")
 @click.option("--workers", type=click.IntRange(min=1), default=min(4, os.cpu_count() or 1), show_default=True,
               help="Pieces converted concurrently (memory grows by ~32 MiB-chunks per worker).")
-@click.option("--force", is_flag=True, help="Replace OUT_DIR if it exists.")
+@click.option("--force", is_flag=True, help="Replace OUT_DIR if it exists and k3-trt convert wrote it.")
 @click.option("--quiet", is_flag=True, help="No progress bar or summary on stderr.")
 def convert(hf_dir: str, out_dir: str, tp: int, ep: int, dtype: str, experts: str | None, workers: int,
             force: bool, quiet: bool) -> None:
@@ -35,8 +36,10 @@ def convert(hf_dir: str, out_dir: str, tp: int, ep: int, dtype: str, experts: st
     try:
         result = convert_checkpoint(hf_dir, out_dir, tp=tp, ep=ep, experts=experts, dtype=dtype, workers=workers,
                                     force=force, progress=not quiet)
-    except (ConfigError, CheckpointError, ConvertError, FileExistsError) as e:
+    except (ConfigError, CheckpointError, ConvertError, OutputError) as e:
         raise click.ClickException(str(e)) from e
+    except OSError as e:  # e.g. an input file that cannot be read
+        raise click.ClickException(describe_os_error(e)) from e
     if not quiet:
         mb = result.bytes / 1e6
         click.echo(f"converted {result.tensors} tensors, {mb:.1f} MB over {result.world_size} rank(s) in "

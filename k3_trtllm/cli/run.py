@@ -1,11 +1,16 @@
 """``k3-trt run``: generate with the inflight-batching engine."""
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
 
 import click
+
+from k3_trtllm.utils import strict_json
+
+from ._progress import progress_bar
 
 DTYPES = ("bfloat16", "float32")
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos"}
@@ -33,30 +38,140 @@ def engine_options(fn):
         click.option("--cache-memory-gb", type=click.FloatRange(min=0, min_open=True), default=None,
                      help="Memory for latent-cache blocks and KDA state rows together [default: 2 unless "
                           "both --num-blocks and --max-slots are given]."),
+        click.option("--tp", type=click.IntRange(min=1), default=None,
+                     help="Tensor-parallel ranks for an HF checkpoint, sharded at load as `k3-trt convert` "
+                          "shards [default: 1; a converted checkpoint's own mapping]. k3-trt starts the ranks "
+                          "on this host itself, or joins the ranks torchrun started (README: Multi-rank)."),
+        click.option("--ep", type=click.IntRange(min=1), default=None,
+                     help="Expert-parallel groups of the routed experts, with --tp [default: 1]."),
+        click.option("--batch-invariant", is_flag=True,
+                     help="On CUDA: a request's output does not depend on what else is in the batch (fixed "
+                          "reduction tilings; slower, no CUDA-graph decode; README: Reproducibility). The CPU "
+                          "reference ops are batch-invariant without it."),
     ]
     for option in reversed(options):
         fn = option(fn)
     return fn
 
 
-def build_engine_from_options(model_dir: str, *, dtype: str, device: str | None, max_batch_size: int,
-                              max_num_tokens: int, block_size: int, max_seq_len: int, num_blocks: int | None,
-                              max_slots: int | None, cache_memory_gb: float | None, seed: int | None = None):
+def threads_option(fn):
+    """``--threads``: torch's intra-op CPU threads (run, bench, serve)."""
+    return click.option("--threads", type=click.IntRange(min=1), default=None,
+                        help="CPU threads of torch's intra-op pool [default: torch's own count, capped at the "
+                             "physical cores this process may use (CPU affinity, cgroup quota) less those other "
+                             "processes keep busy (load average)].")(fn)
+
+
+def quiet_option(fn):
+    return click.option("--quiet", is_flag=True, help="No progress bar on stderr.")(fn)
+
+
+def engine_dir_options(fn):
+    """``--checkpoint`` and ``--plugin-lib``: what runs a segmented engine dir (``k3-trt build``)."""
+    fn = click.option("--plugin-lib", type=click.Path(dir_okay=False), default=None,
+                      help="For an engine dir on cuda: the K3 TensorRT plugin library.")(fn)
+    return click.option("--checkpoint", type=click.Path(file_okay=False), default=None,
+                        help="For an engine dir: the converted checkpoint whose weights it binds [default: the "
+                             "one it was built for].")(fn)
+
+
+def _engine_dir_engine(model_dir: str, device: str, options: dict):
+    """``run ENGINE_DIR``: limits left at their defaults are the engine's, given ones must fit it."""
+    from k3_trtllm.trt.engine_executor import engine_dir_engine
+
+    ctx = click.get_current_context()
+    explicit = {k: (v if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT else None)
+                for k, v in options.items()}
+    if explicit.pop("tp", None) is not None or explicit.pop("ep", None) is not None:
+        raise click.ClickException(f"--tp/--ep: engine dir {model_dir} fixes its mapping; leave them out")
+    try:
+        return engine_dir_engine(model_dir, device=device, **explicit)
+    except (ValueError, OSError, RuntimeError) as e:
+        raise click.ClickException(f"cannot run {model_dir}: {e}") from e
+
+
+def resolve_device(device: str | None) -> str:
+    """The torch device to run on: ``device`` checked against this machine (a one-line
+    error naming it otherwise), or cuda when available, else cpu."""
     import torch
 
-    from k3_trtllm.runtime.engine import build_engine
-
     if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise click.ClickException(f"--device {device}: not a device (cpu, cuda or cuda:N)") from None
+    if parsed.type == "cpu":
+        return device
+    if parsed.type != "cuda":
+        raise click.ClickException(f"--device {device}: k3-trt runs on cpu or cuda")
+    if not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else \
+            "no CUDA device is visible (driver, CUDA_VISIBLE_DEVICES)"
+        raise click.ClickException(f"--device {device}: {why}")
+    count = torch.cuda.device_count()
+    if parsed.index is not None and parsed.index >= count:
+        raise click.ClickException(f"--device {device}: this machine has {count} CUDA device"
+                                   f"{'s' if count != 1 else ''} (cuda:0 to cuda:{count - 1})")
+    return device
+
+
+def build_engine_from_options(model_dir: str, *, dtype: str, device: str | None, max_batch_size: int,
+                              max_num_tokens: int, block_size: int, max_seq_len: int, num_blocks: int | None,
+                              max_slots: int | None, cache_memory_gb: float | None, seed: int | None = None,
+                              threads: int | None = None, tp: int | None = None, ep: int | None = None,
+                              checkpoint: str | None = None, plugin_lib: str | None = None,
+                              batch_invariant: bool = False):
+    import torch
+
+    from k3_trtllm.runtime.distributed import RankFailure
+    from k3_trtllm.runtime.engine import build_engine
+    from k3_trtllm.trt.segment_layout import is_segmented_engine_dir
+    from k3_trtllm.utils.threads import set_torch_threads
+
+    device = resolve_device(device)
+    set_torch_threads(threads)
+    if is_segmented_engine_dir(model_dir):
+        if batch_invariant:
+            raise click.ClickException(f"--batch-invariant: not available for engine dirs ({model_dir}); "
+                                       "run the checkpoint it was built from")
+        engine = _engine_dir_engine(model_dir, device, dict(
+            dtype=dtype, block_size=block_size, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
+            max_seq_len=max_seq_len, num_blocks=num_blocks, max_slots=max_slots, cache_memory_gb=cache_memory_gb,
+            seed=seed, tp=tp, ep=ep, checkpoint=checkpoint, plugin_lib=plugin_lib))
+        if engine is None:  # a torchrun rank other than 0: it served rank 0's steps
+            raise click.exceptions.Exit(0)
+        click.get_current_context().call_on_close(engine.close)
+        return engine
+    if checkpoint is not None or plugin_lib is not None:
+        raise click.ClickException("--checkpoint/--plugin-lib go with an engine dir from `k3-trt build`")
     if cache_memory_gb is None and (num_blocks is None or max_slots is None):
         cache_memory_gb = 2.0
     try:
-        return build_engine(model_dir, dtype=getattr(torch, dtype), device=device, block_size=block_size,
-                            max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
-                            num_blocks=num_blocks,
-                            max_slots=max_slots, cache_memory_gb=cache_memory_gb, seed=seed)
+        engine = build_engine(model_dir, dtype=getattr(torch, dtype), device=device, block_size=block_size,
+                              max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
+                              num_blocks=num_blocks,
+                              max_slots=max_slots, cache_memory_gb=cache_memory_gb, seed=seed, tp=tp, ep=ep,
+                              batch_invariant=batch_invariant)
+    except RankFailure as e:  # world size > 1: a rank died, hung or lost rank 0
+        raise click.ClickException(str(e)) from None
     except (ValueError, OSError, RuntimeError) as e:  # config/checkpoint errors are ValueErrors
         raise click.ClickException(f"cannot load {model_dir}: {e}") from e
+    if engine is None:  # a torchrun rank other than 0: it served rank 0's steps; rank 0 prints
+        raise click.exceptions.Exit(0)
+    click.get_current_context().call_on_close(engine.close)  # world size > 1: stop the other ranks
+    return engine
+
+
+@contextlib.contextmanager
+def rank_failures():
+    """A rank of a multi-rank engine that died or hung: one line naming it, exit 1."""
+    from k3_trtllm.runtime.distributed import RankFailure
+
+    try:
+        yield
+    except RankFailure as e:
+        raise click.ClickException(str(e)) from None
 
 
 def parse_ids(text: str, what: str) -> list[int]:
@@ -142,9 +257,12 @@ class _StreamPrinter:
 @engine_options
 @click.option("--stream/--no-stream", default=None, help="Print text as it is generated, one piece per line "
               "prefixed by [request index] [default: on, off with --json; with --json it goes to stderr].")
-@click.option("--json", "as_json", is_flag=True, help="Print ids, text, latencies and totals as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print ids, text, latencies and totals as (strict) JSON.")
+@threads_option
+@quiet_option
+@engine_dir_options
 def run(model_dir, prompts, prompt_ids, prompts_file, max_new_tokens, temperature, top_k, top_p, seed,
-        stop_ids, ignore_eos, stream, as_json, **engine_kwargs):
+        stop_ids, ignore_eos, stream, as_json, quiet, **engine_kwargs):
     """Generate completions for prompts with the inflight-batching engine."""
     from k3_trtllm.runtime.sampling import SamplingParams
 
@@ -163,6 +281,12 @@ def run(model_dir, prompts, prompt_ids, prompts_file, max_new_tokens, temperatur
         raise click.ClickException(f"bad sampling parameters: {e}") from e
 
     engine = build_engine_from_options(model_dir, seed=seed, **engine_kwargs)
+    tokenizer_kind = getattr(engine.tokenizer, "kind", None)
+    if tokenizer_kind == "byte-fallback":
+        from k3_trtllm.runtime.tokenizer import tokenizer_fallback_reason
+
+        reason = tokenizer_fallback_reason(model_dir) or f"{model_dir}: using the byte tokenizer"
+        click.echo(f"k3-trt: warning: {reason}", err=True)
     ids = []
     for i, ((prompt, _), p) in enumerate(zip(requests, params)):
         try:
@@ -173,17 +297,22 @@ def run(model_dir, prompts, prompt_ids, prompts_file, max_new_tokens, temperatur
     if stream is None:
         stream = not as_json
     printer = _StreamPrinter(engine, index_of, sys.stderr if as_json else sys.stdout) if stream else None
-    for output in engine.follow(ids):
-        if printer:
-            printer(output)
+    # The streamed text shows progress by itself; otherwise a bar over the requests does.
+    with progress_bar(len(ids), "run", "req", quiet or stream) as bar, rank_failures():
+        for output in engine.follow(ids):
+            if printer:
+                printer(output)
+            if output.finished:
+                bar.update(1)
     results = [engine.take_result(rid) for rid in ids]
 
     if as_json:
-        click.echo(json.dumps({
+        click.echo(strict_json.dumps({
             "outputs": [{"prompt_ids": r.prompt_token_ids, "output_ids": r.output_token_ids, "text": r.text,
                          "finish_reason": r.finish_reason, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s,
                          "preemptions": r.num_preemptions} for r in results],
             "totals": engine.summary(),
+            "tokenizer": tokenizer_kind,
         }))
     elif not stream:
         for i, r in enumerate(results):

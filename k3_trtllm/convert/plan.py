@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import torch
 
@@ -59,8 +59,12 @@ class Placed:
 
 
 class Planner:
-    def __init__(self, cfg: K3Config, par: Parallel, targets: list[Target], chunk_bytes: int = CHUNK_BYTES):
+    def __init__(self, cfg: K3Config, par: Parallel, targets: list[Target], chunk_bytes: int = CHUNK_BYTES,
+                 file_dtypes: Mapping[str, torch.dtype] | None = None):
+        """``file_dtypes``: the dtype each source tensor is stored in, which bounds the bytes a
+        piece reads (files may hold any float dtype); default: the spec's dtypes."""
         self.cfg, self.par, self.targets, self.chunk_bytes = cfg, par, targets, chunk_bytes
+        self.file_dtypes = file_dtypes or {}
 
     # ---- layout ------------------------------------------------------------------
     def unit_shape(self, target: Target, unit: tuple[Part, ...], holder: Holder) -> tuple[int, ...]:
@@ -119,7 +123,8 @@ class Planner:
                                                       for p in items),
                             sum(math.prod(p.shape) * out_es for p in items))
             return
-        src_row_bytes = sum(math.prod(p.shape[1:]) * element_size(p.dtypes[0]) for p in unit)
+        src_row_bytes = sum(math.prod(p.shape[1:]) * element_size(self.file_dtypes.get(p.source, p.dtypes[0]))
+                            for p in unit)
         for (start, stop), items in _by_rows(unit, placed):
             out_row = max(math.prod(p.shape[1:]) * out_es for p in items)
             step = max(1, self.chunk_bytes // max(src_row_bytes, out_row))

@@ -2,13 +2,14 @@
 
 Every check happens before the first byte is written: options, config, the inventory
 (all missing and unexpected names), every tensor's shape and dtype (from the shard
-headers), divisibility by --tp/--ep. The output is then written into a temp dir beside
-OUT_DIR and renamed at the end; any exception or Ctrl-C removes it.
+headers), divisibility by --tp/--ep, and OUT_DIR against the input (``utils.atomic``: never
+the input or around it; replaced only when k3-trt wrote it). The output is then written
+into a temp dir beside OUT_DIR and renamed at the end; any exception or Ctrl-C removes it.
 """
 from __future__ import annotations
 
+import errno
 import json
-import os
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -21,14 +22,20 @@ from tqdm import tqdm
 from ..checkpoint.hf import HFCheckpoint
 from ..checkpoint.loader import check_checkpoint
 from ..checkpoint.mapping import BYTE_COPY, targets, unit_output
+from ..checkpoint.tokenizer_files import copy_tokenizer_files, find_tokenizer_files
 from ..checkpoint.trtllm import k3_text_config, rank_file, trtllm_config
 from ..config import parse_config
-from ..utils.atomic import atomic_output_dir
+from ..utils.atomic import atomic_output_dir, check_output, input_paths, write_file
 from .parallel import ConvertError, parallel_for
 from .plan import CHUNK_BYTES, Dest, Piece, Planner
 from .writer import RankFile
 
 EXPERT_FORMATS = ("mxfp4", "bf16")
+OUTPUT_KIND = "trtllm-checkpoint"
+# copy_file_range errnos where the tensor path copies instead: the kernel cannot copy these
+# files (other filesystems, no support), or the source ran short (the tensor path reads it and
+# says what is wrong). Any other error (disk full) is the output's and is raised.
+_NO_KERNEL_COPY = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF, errno.EPERM, errno.EIO}
 
 
 @dataclass(frozen=True)
@@ -48,10 +55,8 @@ def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, ep:
     ``chunk_bytes``: the most source bytes one piece reads (larger tensors go in row chunks)."""
     started = time.monotonic()
     hf, out = Path(hf_dir), Path(out_dir)
-    if out.exists() and not force:
-        raise FileExistsError(f"{out}: already exists (pass --force to replace it)")
-    if out.resolve() == hf.resolve():
-        raise ConvertError(f"{out}: OUT_DIR is the input checkpoint directory")
+    inputs = input_paths(hf)
+    check_output(out, OUTPUT_KIND, force=force, inputs=inputs)  # before reading a byte
     if tp < 1 or ep < 1 or workers < 1:
         raise ConvertError(f"--tp {tp}, --ep {ep}, --workers {workers}: expected positive integers")
     if dtype != "bfloat16":
@@ -64,13 +69,16 @@ def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, ep:
         check_checkpoint(ckpt)
         k3 = k3_text_config(cfg, json.loads((hf / "config.json").read_text()), out_mxfp4)
         parse_config(k3, source="converted config (field k3)")  # what the reader will parse
-        planner = Planner(cfg, par, list(targets(cfg, dequantize_experts=source_mxfp4 and not out_mxfp4)), chunk_bytes)
+        planner = Planner(cfg, par, list(targets(cfg, dequantize_experts=source_mxfp4 and not out_mxfp4)), chunk_bytes,
+                          file_dtypes={name: info.dtype for name, info in ckpt.index.items()})
         per_rank = planner.rank_entries()
         total = sum(e.nbytes for entries in per_rank for e in entries)
-        with atomic_output_dir(out, force) as tmp:
+        tokenizer = find_tokenizer_files(hf, ckpt._check_inside)  # the checkpoint's links are checked like its shards
+        with atomic_output_dir(out, OUTPUT_KIND, force=force, inputs=inputs) as tmp:
+            copy_tokenizer_files(tokenizer, tmp)
             manifest = _write_ranks(tmp, ckpt, planner, per_rank, workers, total, progress)
             config = trtllm_config(cfg, k3, par.mapping_json(), out_mxfp4, manifest)
-            _write_synced(tmp / "config.json", json.dumps(config, indent=2) + "\n")
+            write_file(tmp / "config.json", json.dumps(config, indent=2) + "\n")
     return ConvertResult(out, par.world_size, sum(len(e) for e in per_rank), total, time.monotonic() - started)
 
 
@@ -127,7 +135,9 @@ def _copy_bytes(piece: Piece, dest: Dest, ckpt: HFCheckpoint, files: list[RankFi
         return False
     try:
         files[dest.rank].copy_from(piece.target.name, dest.offset, *ckpt.span(part.source, part.shape, piece.rows))
-    except OSError:
+    except OSError as e:
+        if e.errno not in _NO_KERNEL_COPY:
+            raise
         return False
     return True
 
@@ -153,10 +163,3 @@ def _run_pieces(pieces: Iterator[Piece], work: Callable[[Piece], int], workers: 
     finally:
         # On error or Ctrl-C: let the (at most `workers`) running pieces finish, start no more.
         pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())

@@ -3,6 +3,7 @@ is written first, from the plan; tensor bytes then arrive in any order with posi
 writes, from any thread. Nothing but the piece being written is held in memory."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -25,8 +26,23 @@ class RankFile:
         self._written = 0
         self._lock = threading.Lock()
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        _pwrite_all(self._fd, memoryview(header), 0)
-        os.ftruncate(self._fd, self.file_bytes)
+        try:
+            with self._naming():
+                _pwrite_all(self._fd, memoryview(header), 0)
+                os.ftruncate(self._fd, self.file_bytes)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    @contextlib.contextmanager
+    def _naming(self):
+        """os.pwrite / fsync errors carry no file name; a disk-full error must name the file."""
+        try:
+            yield
+        except OSError as e:
+            if e.filename is None:
+                raise OSError(e.errno, e.strerror, str(self.path)) from e
+            raise
 
     def write(self, name: str, offset: int, tensor: torch.Tensor) -> None:
         """Write ``tensor`` at byte ``offset`` of tensor ``name``'s data."""
@@ -35,7 +51,8 @@ class RankFile:
         if tensor.dtype != dtype or offset < 0 or offset + data.numel() > nbytes:
             raise RuntimeError(f"{self.path.name}: piece of {name!r} ({tensor.dtype}, {data.numel()} bytes at "
                                f"{offset}) does not fit its region ({dtype}, {nbytes} bytes)")
-        _pwrite_all(self._fd, memoryview(data.numpy()), start + offset)
+        with self._naming():
+            _pwrite_all(self._fd, memoryview(data.numpy()), start + offset)
         with self._lock:
             self._written += data.numel()
 
@@ -47,12 +64,13 @@ class RankFile:
         if offset < 0 or offset + nbytes > size:
             raise RuntimeError(
                 f"{self.path.name}: copy of {nbytes} bytes at {offset} does not fit {name!r} ({size} bytes)")
-        done = 0
-        while done < nbytes:
-            n = os.copy_file_range(src_fd, self._fd, nbytes - done, src_offset + done, start + offset + done)
-            if n == 0:
-                raise OSError(errno.EIO, f"source ended after {done} of {nbytes} bytes")
-            done += n
+        done, n = 0, -1
+        with self._naming():
+            while done < nbytes and n != 0:
+                n = os.copy_file_range(src_fd, self._fd, nbytes - done, src_offset + done, start + offset + done)
+                done += n
+        if done < nbytes:  # the source's fault, not this file's: no file name on purpose
+            raise OSError(errno.EIO, f"source ended after {done} of {nbytes} bytes")
         with self._lock:
             self._written += nbytes
 
@@ -61,7 +79,8 @@ class RankFile:
         try:
             if self._written != self.data_bytes:
                 raise RuntimeError(f"{self.path.name}: wrote {self._written} of {self.data_bytes} data bytes")
-            os.fsync(self._fd)
+            with self._naming():
+                os.fsync(self._fd)
         finally:
             os.close(self._fd)
 

@@ -15,16 +15,19 @@ from pathlib import Path
 import onnx
 import torch
 
+from ..checkpoint.trtllm import is_trtllm_checkpoint, read_trtllm_config
+from ..config import load_config
 from ..model import load_model
 from ..ops.contract import ALL_CONTRACTS, PLUGIN_NAMESPACE, PLUGIN_VERSION
 from ..trt.profiles import DECODE, PREFILL, BuildLimits, profile_shapes
-from ..utils.atomic import atomic_output_dir
+from ..utils.atomic import atomic_output_dir, check_output, input_paths, write_file
 from .engine_io import engine_inputs, engine_outputs
-from .exporter import OPSET, check_onnx, export_step_onnx
+from .exporter import OPSET, check_onnx, export_step_onnx, graph_plugins
 from .schemas import DOMAIN
 
 CONFIG_VERSION = 1
 BUILDERS = ("auto", "tensorrt", "tensorrt-rtx", "none")
+OUTPUT_KIND = "engine"
 
 
 def _versions(trt=None) -> dict[str, str]:
@@ -38,28 +41,9 @@ def _graph_plugins(model_proto: onnx.ModelProto) -> list[str]:
     return sorted({n.op_type for n in model_proto.graph.node if n.domain == DOMAIN})
 
 
-def _missing_creators(trt, plugins: list[str]) -> list[str]:
-    registry = trt.get_plugin_registry()
-    return [p for p in plugins if registry.get_creator(p, PLUGIN_VERSION, PLUGIN_NAMESPACE) is None]
-
-
-def _open_builder(builder: str, plugin_lib, log):
-    """The TensorRT module to build with, or None (with the reason logged) when plans are skipped."""
-    from ..trt.bindings import BuilderUnavailable, import_tensorrt
-    from ..trt.builder import load_plugin_library
-
-    if builder == "none":
-        return None
-    try:
-        trt = import_tensorrt(builder)
-    except BuilderUnavailable as e:
-        if builder != "auto":
-            raise
-        log(f"build: no plan ({e})")
-        return None
-    if plugin_lib is not None:
-        load_plugin_library(trt, plugin_lib)
-    return trt
+def _read_config(checkpoint: Path):
+    """The model config alone (no weights), to check the limits and the builder first."""
+    return read_trtllm_config(checkpoint)[0] if is_trtllm_checkpoint(checkpoint) else load_config(checkpoint)
 
 
 def build_engine_dir(checkpoint: str | Path, out_dir: str | Path, limits: BuildLimits, *,
@@ -71,34 +55,36 @@ def build_engine_dir(checkpoint: str | Path, out_dir: str | Path, limits: BuildL
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if not checkpoint.is_dir():
         raise FileNotFoundError(f"{checkpoint}: checkpoint directory not found")
-    trt = _open_builder(builder, plugin_lib, log)  # fail fast, before the slow export
+    sources = input_paths(checkpoint) + ([Path(plugin_lib)] if plugin_lib is not None else [])
+    # everything that can refuse the build does so before the slow load and export
+    check_output(out_dir, OUTPUT_KIND, force=force, inputs=sources)
+    cfg = _read_config(checkpoint)
+    limits.validate(cfg)
+    plugins = graph_plugins(cfg)
+    from ..trt.builder import open_builder
+
+    trt = open_builder(builder, plugin_lib, plugins, log)
     t0 = time.time()
     log(f"build: loading {checkpoint}")
     model = load_model(checkpoint, dtype=dtype)
     cfg = model.config
-    limits.validate(cfg)
     inputs, outputs = engine_inputs(cfg, dtype, limits.block_size), engine_outputs(cfg, dtype, limits.block_size)
     profiles = {phase: profile_shapes(inputs, limits, phase) for phase in (PREFILL, DECODE)}
-    with atomic_output_dir(out_dir, force=force) as tmp:
+    with atomic_output_dir(out_dir, OUTPUT_KIND, force=force, inputs=sources, log=log) as tmp:
         onnx_path = export_step_onnx(model, tmp / "rank0.onnx", limits.block_size, log=log)
         log("build: checking the graph (checker full_check, strict shape inference)")
         graph = check_onnx(onnx_path)
-        plugins = _graph_plugins(graph)
+        if _graph_plugins(graph) != plugins:  # the creators checked before the export are the graph's
+            raise RuntimeError(f"the exported graph holds plugins {_graph_plugins(graph)}, the config predicted "
+                               f"{plugins}")
         plan_file = None
         if trt is not None:
-            missing = _missing_creators(trt, plugins)
-            if missing and plugin_lib is not None:
-                raise RuntimeError(f"plugin library {plugin_lib} has no creator for {missing} "
-                                   f"(namespace {PLUGIN_NAMESPACE!r}, version {PLUGIN_VERSION!r})")
-            if missing:
-                log(f"build: no plan (no plugin creators for {missing}; pass --plugin-lib)")
-            else:
-                from ..trt.builder import build_plan
+            from ..trt.builder import build_plan
 
-                plan = build_plan(trt, onnx_path, profiles, log=log)
-                plan_file = "rank0.plan"
-                (tmp / plan_file).write_bytes(plan)
-                log(f"build: wrote {plan_file} ({len(plan) / 2**20:.1f} MiB)")
+            plan = build_plan(trt, onnx_path, profiles, log=log)
+            plan_file = "rank0.plan"
+            write_file(tmp / plan_file, plan)
+            log(f"build: wrote {plan_file} ({len(plan) / 2**20:.1f} MiB)")
         config = {
             "version": CONFIG_VERSION,
             "architecture": "KimiK3ForCausalLM",
@@ -120,6 +106,6 @@ def build_engine_dir(checkpoint: str | Path, out_dir: str | Path, limits: BuildL
                                                  "plugin_library": str(plugin_lib) if plugin_lib else None},
             "tool_versions": _versions(trt),
         }
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        write_file(tmp / "config.json", json.dumps(config, indent=2) + "\n")
     log(f"build: {out_dir} done in {time.time() - t0:.1f} s")
     return out_dir

@@ -16,7 +16,7 @@ import torch
 from torch.export import Dim
 
 from ..model.step import build_step
-from ..ops.contract import ALL_CONTRACTS
+from ..ops.contract import ALL_CONTRACTS, KDA_PREFILL, MLA_PREFILL, SITU_MOE, SITU_MOE_MXFP4
 from .engine_io import (LOGITS, MAX_BLOCKS, MAX_SLOTS, NUM_BLOCKS, SEQS, SEQS_PLUS_1, TOKENS, TensorIO,
                         engine_inputs, engine_outputs, flatten_step, pool_tensor)
 from .schemas import BYTES_CONTRACT_DTYPE, BYTES_ONNX_TYPE, DOMAIN, DOMAIN_VERSION, register_schemas
@@ -24,6 +24,17 @@ from .step_graph import StepGraph
 from .translations import translation_table
 
 OPSET = 22  # pinned: 23 turns on onnxscript fusions into Attention/RMSNormalization nodes
+
+
+def graph_plugins(cfg) -> list[str]:
+    """The plugins the exported graph of ``cfg`` holds, known before exporting it: the
+    prefill form of each layer's attention, and of the routed MoE where a layer has one."""
+    found = set()
+    for layer in cfg.layers:
+        found.add((KDA_PREFILL if layer.attention == "kda" else MLA_PREFILL).plugin)
+        if layer.ffn == "moe":
+            found.add((SITU_MOE_MXFP4 if cfg.moe.mxfp4 else SITU_MOE).plugin)
+    return sorted(found)
 
 
 def _sample_inputs(model, block_size: int) -> list[torch.Tensor]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
+import warnings
 from pathlib import Path
 
 _REPO_BUILD = Path(__file__).resolve().parents[2] / "build" / "libk3_kernels.so"
@@ -33,6 +35,29 @@ def check(status: int, what: str) -> None:
     """Launchers return a cudaError_t; 0 is success."""
     if status != 0:
         raise RuntimeError(f"{what} failed with CUDA error {status}")
+
+
+class KernelFallbackWarning(RuntimeWarning):
+    """A k3 op on CUDA ran its reference implementation because the kernels do not cover the call."""
+
+
+# (op, reason) pairs already warned about: a model calls each op every step, and one
+# warning per distinct cause says all there is to say.
+_warned: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()  # the serve engine loop and a caller's thread may both run ops
+
+
+def fall_back(op: str, reason: str, reference, *args):
+    """Run ``reference(*args)`` in place of the CUDA kernel of ``op``, warning (once per
+    distinct ``reason``) that the kernels do not support the call: a model whose dims the
+    kernels were not built for still runs, slowly, instead of failing mid-run."""
+    with _warned_lock:
+        first = (op, reason) not in _warned
+        _warned.add((op, reason))
+    if first:
+        warnings.warn(f"k3::{op}: the CUDA kernels do not support {reason}; running the reference op "
+                      "(fp32 torch code, slow) for such calls", KernelFallbackWarning, stacklevel=3)
+    return reference(*args)
 
 
 def register_cuda_kernels() -> bool:

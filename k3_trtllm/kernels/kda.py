@@ -2,7 +2,8 @@
 
 Importing this module installs them for the CUDA device, as the MLA and MoE bindings do. The
 kernels take bf16 activations, an fp32 state and head_dim 32/64/128 with conv width 2-4; any
-other call on CUDA runs the fp32 reference implementation (plain torch, any device).
+other call on CUDA runs the fp32 reference implementation (plain torch, any device), with one
+warning per distinct reason.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from ..ops import registry
 from ..ops.contract import KDA_DECODE, KDA_PREFILL
 from ..ops.kda import op as reference
-from . import check, load_library
+from . import check, fall_back, load_library
 
 # contract inputs (11 pointers), out, workspace; T, B, H, head_dim, conv width; lower bound; stream
 _ARGTYPES = [ctypes.c_void_p] * 13 + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_void_p]
@@ -36,13 +37,17 @@ def _library() -> ctypes.CDLL:
     return _lib
 
 
-def _kernel_can_run(qkv, conv_weight, conv_state, recurrent_state, head_dim) -> bool:
-    return (
-        qkv.dtype == torch.bfloat16
-        and conv_state.dtype == torch.bfloat16
-        and recurrent_state.dtype == torch.float32
-        and bool(_library().k3_kda_supported(head_dim, conv_weight.shape[1]))
-    )
+def _unsupported(qkv, conv_weight, conv_state, recurrent_state, head_dim) -> str | None:
+    """Why the kernels cannot take the call, or None when they can."""
+    for name, t, want in (("qkv", qkv, torch.bfloat16), ("conv_state", conv_state, torch.bfloat16),
+                          ("recurrent_state", recurrent_state, torch.float32)):
+        if t.dtype != want:
+            return f"{name} of dtype {str(t.dtype).removeprefix('torch.')} (they take " \
+                   f"{str(want).removeprefix('torch.')})"
+    if not _library().k3_kda_supported(head_dim, conv_weight.shape[1]):
+        return f"head_dim {head_dim} with conv width {conv_weight.shape[1]} (built for head_dim 32/64/128, " \
+               "conv width 2-4)"
+    return None
 
 
 def _check_shapes(qkv, gate, beta, conv_weight, A_log, dt_bias, cu_seqlens, state_slots,
@@ -72,13 +77,14 @@ def _check_shapes(qkv, gate, beta, conv_weight, A_log, dt_bias, cu_seqlens, stat
             raise ValueError(f"kda: {name} is updated in place and must be contiguous")
 
 
-def _make_impl(launcher_name: str, reference_fn):
+def _make_impl(op_name: str, launcher_name: str, reference_fn):
     def impl(qkv, gate, beta, conv_weight, A_log, dt_bias, cu_seqlens, state_slots,
              has_initial_state, conv_state, recurrent_state, num_heads, head_dim, lower_bound):
         args = (qkv, gate, beta, conv_weight, A_log, dt_bias, cu_seqlens, state_slots,
                 has_initial_state, conv_state, recurrent_state, num_heads, head_dim, lower_bound)
-        if not _kernel_can_run(qkv, conv_weight, conv_state, recurrent_state, head_dim):
-            return reference_fn(*args)
+        reason = _unsupported(qkv, conv_weight, conv_state, recurrent_state, head_dim)
+        if reason is not None:
+            return fall_back(op_name, reason, reference_fn, *args)
         _check_shapes(*args)
         inputs = [t.contiguous() for t in (qkv, gate, beta.to(qkv.dtype))]
         params = [t.float().contiguous() for t in (conv_weight, A_log, dt_bias)]
@@ -102,5 +108,5 @@ def _make_impl(launcher_name: str, reference_fn):
     return impl
 
 
-registry.register_kernel(KDA_PREFILL, "CUDA", _make_impl("k3_kda_prefill", reference.kda_prefill))
-registry.register_kernel(KDA_DECODE, "CUDA", _make_impl("k3_kda_decode", reference.kda_decode))
+registry.register_kernel(KDA_PREFILL, "CUDA", _make_impl("kda_prefill", "k3_kda_prefill", reference.kda_prefill))
+registry.register_kernel(KDA_DECODE, "CUDA", _make_impl("kda_decode", "k3_kda_decode", reference.kda_decode))

@@ -1,12 +1,15 @@
 """CUDA implementations of ``k3::mla_prefill`` and ``k3::mla_decode`` (ctypes over
 ``libk3_kernels.so``, sources in ``plugins/kernels/mla.cu``).
 
-Importing this module registers both kernels for CUDA tensors. They take bf16 tensors;
-other dtypes (the fp32/fp64 exactness checks) fall through to the reference ops. Decode
-runs the exact absorbed form (insert latents, q_nope·W_UK, MQA over the paged latent
-cache, ·W_UV). Prefill runs the expanded form (per-head K/V expanded from the cached
-latents in bounded passes, causal flash attention) when the step has >= 384 new tokens
-per sequence on average, else the absorbed form; both cover chunked prefill.
+Importing this module registers both kernels for CUDA tensors; the library loads on the
+first kernel call. They take bf16, contiguous, 16-byte aligned tensors and the head dims of
+``mla.cu``'s ``supported()``; any other call (the fp32/fp64 exactness checks, a model with
+other dims) runs the reference op, with one warning per distinct reason (``unsupported``
+decides, without the library). Decode runs the exact absorbed form (insert latents,
+q_nope·W_UK, MQA over the paged latent cache, ·W_UV). Prefill runs the expanded form (per-head
+K/V expanded from the cached latents in bounded passes, causal flash attention) when the step
+has >= 384 new tokens per sequence on average, else the absorbed form; both cover chunked
+prefill.
 """
 from __future__ import annotations
 
@@ -17,28 +20,38 @@ import torch
 from ..ops import registry
 from ..ops.contract import MLA_DECODE, MLA_PREFILL
 from ..ops.mla import op as _reference  # importing defines the k3::mla_* ops
-from . import check, load_library
+from . import check, fall_back, load_library
 
 SUPPORTED_DIMS = ((512, 64), (64, 16))  # (kv_lora_rank, qk_rope_head_dim)
 
-_LIB = load_library()
 _p, _i, _f, _sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
-for _name in ("k3_mla_decode", "k3_mla_prefill"):
-    _fn = getattr(_LIB, _name)
-    _fn.argtypes = [_p] * 10 + [_i] * 9 + [_f, _p, _sz, _p]
-    _fn.restype = _i
-_LIB.k3_mla_prefill_expanded.argtypes = [_p] * 10 + [_i] * 9 + [_f, _i, _p, _sz, _p]
-_LIB.k3_mla_prefill_expanded.restype = _i
-_LIB.k3_mla_workspace_size.argtypes = [_i] * 5
-_LIB.k3_mla_workspace_size.restype = _sz
-_LIB.k3_mla_prefill_workspace_size.argtypes = [_i] * 9
-_LIB.k3_mla_prefill_workspace_size.restype = _sz
-_LIB.k3_mla_prefill_expanded_workspace_size.argtypes = [_i] * 10
-_LIB.k3_mla_prefill_expanded_workspace_size.restype = _sz
-_LIB.k3_mla_prefill_uses_expanded.argtypes = [_i] * 9 + [_sz]
-_LIB.k3_mla_prefill_uses_expanded.restype = _i
-_LIB.k3_mla_latent_attention.argtypes = [_p] * 7 + [_i] * 8 + [_f, _p, _sz, _p]
-_LIB.k3_mla_latent_attention.restype = _i
+_LIB: ctypes.CDLL | None = None
+
+
+def _lib() -> ctypes.CDLL:
+    """The kernel library with its argument types set, loaded on first use so that the
+    dispatch decision (and the fallback) work on machines without it."""
+    global _LIB
+    if _LIB is None:
+        lib = load_library()
+        for name in ("k3_mla_decode", "k3_mla_prefill"):
+            fn = getattr(lib, name)
+            fn.argtypes = [_p] * 10 + [_i] * 9 + [_f, _p, _sz, _p]
+            fn.restype = _i
+        lib.k3_mla_prefill_expanded.argtypes = [_p] * 10 + [_i] * 9 + [_f, _i, _p, _sz, _p]
+        lib.k3_mla_prefill_expanded.restype = _i
+        lib.k3_mla_workspace_size.argtypes = [_i] * 5
+        lib.k3_mla_workspace_size.restype = _sz
+        lib.k3_mla_prefill_workspace_size.argtypes = [_i] * 9
+        lib.k3_mla_prefill_workspace_size.restype = _sz
+        lib.k3_mla_prefill_expanded_workspace_size.argtypes = [_i] * 10
+        lib.k3_mla_prefill_expanded_workspace_size.restype = _sz
+        lib.k3_mla_prefill_uses_expanded.argtypes = [_i] * 9 + [_sz]
+        lib.k3_mla_prefill_uses_expanded.restype = _i
+        lib.k3_mla_latent_attention.argtypes = [_p] * 7 + [_i] * 8 + [_f, _p, _sz, _p]
+        lib.k3_mla_latent_attention.restype = _i
+        _LIB = lib
+    return _LIB
 
 
 def _require(ok: bool, message: str) -> None:
@@ -46,19 +59,45 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _check_kernel_inputs(tensors: dict[str, torch.Tensor], rank: int, rope: int, nope: int, v_dim: int) -> None:
-    _require((rank, rope) in SUPPORTED_DIMS,
-             f"kv_lora_rank/qk_rope_head_dim: CUDA kernels support {SUPPORTED_DIMS}, got {(rank, rope)}")
-    _require(nope % 32 == 0, f"qk_nope_head_dim: CUDA kernels need a multiple of 32, got {nope}")
-    _require(v_dim % 8 == 0, f"v_head_dim: CUDA kernels need a multiple of 8, got {v_dim}")
+def unsupported_dims(kv_lora_rank: int, qk_rope_head_dim: int, qk_nope_head_dim: int, v_head_dim: int) -> str | None:
+    """Why the kernels cannot run these head dims, or None when they can (``supported()`` in
+    plugins/kernels/mla.cu, which returns cudaErrorInvalidValue for anything else)."""
+    if (kv_lora_rank, qk_rope_head_dim) not in SUPPORTED_DIMS:
+        return (f"kv_lora_rank/qk_rope_head_dim {(kv_lora_rank, qk_rope_head_dim)} "
+                f"(built for {' or '.join(map(str, SUPPORTED_DIMS))})")
+    if qk_nope_head_dim <= 0 or qk_nope_head_dim % 32:
+        return f"qk_nope_head_dim {qk_nope_head_dim} (needs a positive multiple of 32)"
+    if v_head_dim <= 0 or v_head_dim % 8:
+        return f"v_head_dim {v_head_dim} (needs a positive multiple of 8)"
+    return None
+
+
+def unsupported_tensors(tensors: dict[str, torch.Tensor], dtype_of: dict[str, torch.dtype]) -> str | None:
+    """Why the kernels cannot read these tensors (dtype, layout, alignment), or None."""
     for name, t in tensors.items():
-        _require(t.is_contiguous(), f"{name}: CUDA kernels need a contiguous tensor")
-        _require(t.data_ptr() % 16 == 0, f"{name}: CUDA kernels need 16-byte alignment")
+        if name in dtype_of and t.dtype != dtype_of[name]:
+            return f"{name} of dtype {str(t.dtype).removeprefix('torch.')} (they take " \
+                   f"{str(dtype_of[name]).removeprefix('torch.')})"
+        if not t.is_contiguous():
+            return f"a non-contiguous {name}"
+        if t.data_ptr() % 16:
+            return f"{name} not 16-byte aligned"
+    return None
+
+
+def unsupported(tensors: dict[str, torch.Tensor], kv_lora_rank: int, qk_rope_head_dim: int,
+                qk_nope_head_dim: int, v_head_dim: int) -> str | None:
+    """Why ``k3::mla_decode`` / ``k3::mla_prefill`` run the reference op for a call, or None
+    when the kernels take it: the dispatch decision, a pure function of the call."""
+    floats = {n: torch.bfloat16 for n in ("q", "latent", "w_uk", "w_uv", "latent_cache")}
+    return (unsupported_tensors({n: t for n, t in tensors.items() if n in floats}, floats)
+            or unsupported_dims(kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim)
+            or unsupported_tensors({n: t for n, t in tensors.items() if n not in floats}, {}))
 
 
 def _workspace(num_tokens: int, num_heads: int, rank: int, block_tables: torch.Tensor,
                block_size: int, device: torch.device) -> torch.Tensor:
-    size = _LIB.k3_mla_workspace_size(num_tokens, num_heads, rank, block_tables.shape[1], block_size)
+    size = _lib().k3_mla_workspace_size(num_tokens, num_heads, rank, block_tables.shape[1], block_size)
     return torch.empty(max(size, 1), dtype=torch.uint8, device=device)
 
 
@@ -69,16 +108,10 @@ def _sizes(q, context_lens, block_tables, latent_cache, num_heads, qk_nope_head_
             v_head_dim, block_tables.shape[1], latent_cache.shape[1])
 
 
-def _run(entry, reference, workspace_bytes, q, latent, w_uk, w_uv, cu_seqlens, context_lens, block_tables,
-         slot_mapping, latent_cache, num_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, v_head_dim,
-         softmax_scale, *extra):
-    """Validate, allocate out and `workspace_bytes(...)` of workspace, call the C entry with
-    `extra` int arguments after softmax_scale."""
-    args = (q, latent, w_uk, w_uv, cu_seqlens, context_lens, block_tables, slot_mapping, latent_cache,
-            num_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, v_head_dim, softmax_scale)
-    floats = (q, latent, w_uk, w_uv, latent_cache)
-    if any(t.dtype != torch.bfloat16 for t in floats):
-        return reference(*args)
+def _check_shapes(q, latent, w_uk, w_uv, cu_seqlens, context_lens, block_tables, slot_mapping, latent_cache,
+                  num_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, v_head_dim) -> None:
+    """The contract's shapes and index dtypes: a call that breaks them is a caller's bug on
+    any path, so it raises rather than falling back."""
     num_tokens, num_seqs = q.shape[0], context_lens.shape[0]
     _require(tuple(q.shape) == (num_tokens, num_heads, qk_nope_head_dim + qk_rope_head_dim),
              f"q: expected [T, {num_heads}, {qk_nope_head_dim + qk_rope_head_dim}], got {tuple(q.shape)}")
@@ -95,47 +128,69 @@ def _run(entry, reference, workspace_bytes, q, latent, w_uk, w_uv, cu_seqlens, c
     for name, t in (("cu_seqlens", cu_seqlens), ("context_lens", context_lens),
                     ("block_tables", block_tables), ("slot_mapping", slot_mapping)):
         _require(t.dtype == torch.int32, f"{name}: expected int32, got {t.dtype}")
-    _check_kernel_inputs({"q": q, "latent": latent, "w_uk": w_uk, "w_uv": w_uv, "block_tables": block_tables,
+
+
+def _run(op, entry_name, reference, workspace_bytes, q, latent, w_uk, w_uv, cu_seqlens, context_lens,
+         block_tables, slot_mapping, latent_cache, num_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank,
+         v_head_dim, softmax_scale, *extra):
+    """Validate; run the reference op (``op`` set: it names the op in the warning) or raise
+    (``op`` None: an explicit kernel entry) when the kernels cannot take the call; else
+    allocate out and ``workspace_bytes(lib, *sizes)`` of workspace and call the C entry with
+    ``extra`` int arguments after softmax_scale."""
+    args = (q, latent, w_uk, w_uv, cu_seqlens, context_lens, block_tables, slot_mapping, latent_cache,
+            num_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, v_head_dim, softmax_scale)
+    _check_shapes(*args[:-1])
+    reason = unsupported({"q": q, "latent": latent, "w_uk": w_uk, "w_uv": w_uv, "block_tables": block_tables,
                           "latent_cache": latent_cache}, kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim,
                          v_head_dim)
+    if reason is not None:
+        _require(op is not None, f"{entry_name}: the CUDA kernels do not support {reason}")
+        return fall_back(op, reason, reference, *args)
+    num_tokens, num_seqs = q.shape[0], context_lens.shape[0]
     out = torch.empty((num_tokens, num_heads * v_head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return out
+    lib = _lib()
     block_size = latent_cache.shape[1]
     sizes = _sizes(q, context_lens, block_tables, latent_cache, num_heads, qk_nope_head_dim, qk_rope_head_dim,
                    kv_lora_rank, v_head_dim)
     with torch.cuda.device(q.device):  # the launcher sizes splits for, and launches on, the current device
-        ws = torch.empty(max(workspace_bytes(*sizes), 1), dtype=torch.uint8, device=q.device)
-        status = entry(
+        ws = torch.empty(max(workspace_bytes(lib, *sizes), 1), dtype=torch.uint8, device=q.device)
+        status = getattr(lib, entry_name)(
             q.data_ptr(), latent.data_ptr(), w_uk.data_ptr(), w_uv.data_ptr(), cu_seqlens.data_ptr(),
             context_lens.data_ptr(), block_tables.data_ptr(), slot_mapping.data_ptr(), latent_cache.data_ptr(),
             out.data_ptr(), num_tokens, num_seqs, block_tables.shape[1], block_size, num_heads, qk_nope_head_dim,
             qk_rope_head_dim, kv_lora_rank, v_head_dim, float(softmax_scale), *extra, ws.data_ptr(), ws.numel(),
             torch.cuda.current_stream(q.device).cuda_stream)
-    check(status, entry.__name__)
+    check(status, entry_name)
     return out
 
 
-def _decode_workspace(num_tokens, num_seqs, num_heads, nope, rope, rank, v_dim, max_blocks, block_size):
-    return _LIB.k3_mla_workspace_size(num_tokens, num_heads, rank, max_blocks, block_size)
+def _decode_workspace(lib, num_tokens, num_seqs, num_heads, nope, rope, rank, v_dim, max_blocks, block_size):
+    return lib.k3_mla_workspace_size(num_tokens, num_heads, rank, max_blocks, block_size)
+
+
+def _prefill_workspace(lib, *sizes):
+    return lib.k3_mla_prefill_workspace_size(*sizes)
 
 
 def mla_decode_cuda(*args) -> torch.Tensor:
-    return _run(_LIB.k3_mla_decode, _reference.mla_decode, _decode_workspace, *args)
+    return _run("mla_decode", "k3_mla_decode", _reference.mla_decode, _decode_workspace, *args)
 
 
 def mla_prefill_cuda(*args) -> torch.Tensor:
-    return _run(_LIB.k3_mla_prefill, _reference.mla_prefill, _LIB.k3_mla_prefill_workspace_size, *args)
+    return _run("mla_prefill", "k3_mla_prefill", _reference.mla_prefill, _prefill_workspace, *args)
 
 
 def prefill_expanded(*args, key_chunk: int = 0) -> torch.Tensor:
     """``k3::mla_prefill``'s arguments, always through the expanded form (tests, benchmarks),
-    with passes of ``key_chunk`` keys (0: the default cap)."""
-    def workspace_bytes(*sizes):
-        size = _LIB.k3_mla_prefill_expanded_workspace_size(*sizes, key_chunk)
+    with passes of ``key_chunk`` keys (0: the default cap). Raises where the kernels cannot
+    take the call: a test of the expanded form must not measure the reference instead."""
+    def workspace_bytes(lib, *sizes):
+        size = lib.k3_mla_prefill_expanded_workspace_size(*sizes, key_chunk)
         _require(size > 0, "prefill_expanded: these head dims or sizes are not supported by the expanded form")
         return size
-    return _run(_LIB.k3_mla_prefill_expanded, _reference.mla_prefill, workspace_bytes, *args, key_chunk)
+    return _run(None, "k3_mla_prefill_expanded", _reference.mla_prefill, workspace_bytes, *args, key_chunk)
 
 
 def prefill_uses_expanded(num_tokens: int, num_seqs: int, num_heads: int, qk_nope_head_dim: int,
@@ -144,23 +199,27 @@ def prefill_uses_expanded(num_tokens: int, num_seqs: int, num_heads: int, qk_nop
     """Whether ``k3::mla_prefill`` takes the expanded form for these sizes (its own workspace)."""
     sizes = (num_tokens, num_seqs, num_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, v_head_dim,
              max_blocks, block_size)
-    return bool(_LIB.k3_mla_prefill_uses_expanded(*sizes, _LIB.k3_mla_prefill_workspace_size(*sizes)))
+    lib = _lib()
+    return bool(lib.k3_mla_prefill_uses_expanded(*sizes, lib.k3_mla_prefill_workspace_size(*sizes)))
 
 
 def latent_attention(q_lat: torch.Tensor, q: torch.Tensor, cu_seqlens: torch.Tensor, context_lens: torch.Tensor,
                      block_tables: torch.Tensor, latent_cache: torch.Tensor, qk_nope_head_dim: int,
                      softmax_scale: float) -> torch.Tensor:
     """The attention part alone (no cache insert, no W_UK / W_UV): ``a_lat [T, H, R]``
-    from ``q_lat [T, H, R]`` and ``q_pe = q[..., qk_nope_head_dim:]`` (bf16)."""
+    from ``q_lat [T, H, R]`` and ``q_pe = q[..., qk_nope_head_dim:]`` (bf16). An explicit
+    kernel entry: raises where the kernels cannot take the call."""
     num_tokens, num_heads, rank = q_lat.shape
     rope = q.shape[2] - qk_nope_head_dim
-    _check_kernel_inputs({"q_lat": q_lat, "q": q, "block_tables": block_tables, "latent_cache": latent_cache},
-                         rank, rope, qk_nope_head_dim, 8)
+    reason = unsupported_dims(rank, rope, qk_nope_head_dim, 8) or unsupported_tensors(
+        {"q_lat": q_lat, "q": q, "block_tables": block_tables, "latent_cache": latent_cache},
+        {"q_lat": torch.bfloat16, "q": torch.bfloat16, "latent_cache": torch.bfloat16})
+    _require(reason is None, f"latent_attention: the CUDA kernels do not support {reason}")
     a_lat = torch.empty_like(q_lat)
     block_size = latent_cache.shape[1]
     with torch.cuda.device(q.device):
         ws = _workspace(num_tokens, num_heads, rank, block_tables, block_size, q.device)
-        status = _LIB.k3_mla_latent_attention(
+        status = _lib().k3_mla_latent_attention(
             q_lat.data_ptr(), q.data_ptr(), cu_seqlens.data_ptr(), context_lens.data_ptr(),
             block_tables.data_ptr(), latent_cache.data_ptr(), a_lat.data_ptr(), num_tokens, context_lens.shape[0],
             block_tables.shape[1], block_size, num_heads, qk_nope_head_dim, rope, rank, float(softmax_scale),

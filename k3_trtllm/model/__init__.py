@@ -8,9 +8,10 @@ import torch
 import torch.distributed as dist
 
 from .. import ops  # noqa: F401  (registers the k3:: ops)
-from ..checkpoint.hf import CheckpointError
+from ..checkpoint.detect import HF, checkpoint_format
+from ..checkpoint.errors import CheckpointError
 from ..checkpoint.loader import load_hf_state_dict
-from ..checkpoint.trtllm import is_trtllm_checkpoint, load_trtllm_state_dict, read_trtllm_config
+from ..checkpoint.trtllm import load_trtllm_state_dict, read_trtllm_config
 from ..kernels import library_path as kernel_library_path
 from ..kernels import register_cuda_kernels
 from ..ops.common import compute_dtype
@@ -40,6 +41,9 @@ def model_from_state_dict(cfg, state: dict[str, torch.Tensor], dtype: torch.dtyp
     for name, tensor in state.items():
         if tuple(own[name].shape) != tuple(tensor.shape):
             raise CheckpointError(f"tensor {name!r}: shape {list(tensor.shape)}, expected {list(own[name].shape)}")
+        if own[name].dtype != tensor.dtype:  # assign=True would keep a wrong dtype, and run in it
+            raise CheckpointError(f"tensor {name!r}: dtype {str(tensor.dtype).removeprefix('torch.')}, expected "
+                                  f"{str(own[name].dtype).removeprefix('torch.')}")
     # assign=True keeps the given tensors, so they must already live on the model's device
     model.load_state_dict({name: tensor.to(device) for name, tensor in state.items()}, strict=True, assign=True)
     if dtype != torch.bfloat16:
@@ -58,11 +62,13 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.bfloat16,
     checkpoint of world size N > 1 needs a torch.distributed process group of N processes:
     each loads the rank file of its own rank. On a CUDA device the CUDA kernels become the
     ops' implementations when their library is built; otherwise the (slow) reference ops
-    run on the GPU, with a warning."""
+    run on the GPU, with a warning. Any other directory raises ``CheckpointError`` saying
+    what it holds."""
+    fmt = checkpoint_format(path)  # before the kernels: a wrong directory fails first, alone
     if torch.device(device).type == "cuda" and not register_cuda_kernels():
         warnings.warn(f"{kernel_library_path()} not built (build_scripts/build_kernels.sh): the k3 ops run "
                       "as fp32 torch reference code on the GPU", stacklevel=2)
-    if not is_trtllm_checkpoint(path):
+    if fmt == HF:
         cfg, state = load_hf_state_dict(path)
         return model_from_state_dict(cfg, state, dtype, device)
     cfg, data = read_trtllm_config(path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from k3_trtllm.runtime.engine import LLMEngine
 from k3_trtllm.runtime.sampling import SamplingParams
@@ -40,10 +41,11 @@ def make_workload(num_requests: int, prompt_len: tuple[int, int], output_len: tu
     return Workload(prompts, output_lens, arrivals)
 
 
-def run_workload(engine: LLMEngine, work: Workload) -> dict:
+def run_workload(engine: LLMEngine, work: Workload, on_finished: Callable[[int], object] | None = None) -> dict:
     """Feed ``work`` to ``engine`` in real time (a request joins at the first step
     boundary after it arrives; TTFT counts from its arrival) and report latencies and
-    throughput. Output lengths are exact: EOS is ignored."""
+    throughput. Output lengths are exact: EOS is ignored. ``on_finished(n)`` is called
+    after each step that finished n >= 1 requests (a progress bar)."""
     start = engine.clock()
     pending = list(range(len(work.prompts)))[::-1]
     ids = []
@@ -54,7 +56,9 @@ def run_workload(engine: LLMEngine, work: Workload) -> dict:
             params = SamplingParams(max_new_tokens=work.output_lens[i], ignore_eos=True)
             ids.append(engine.add_request(work.prompts[i], params, arrival_time=start + work.arrival_s[i]))
         if engine.has_unfinished():
-            engine.step()
+            finished = sum(output.finished for output in engine.step())
+            if finished and on_finished is not None:
+                on_finished(finished)
         elif pending:
             time.sleep(max(0.0, start + work.arrival_s[pending[-1]] - engine.clock()))
     duration = engine.clock() - start

@@ -2,16 +2,26 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-from k3_trtllm.model import K3Caches, load_model
+from k3_trtllm.checkpoint.detect import TRTLLM, checkpoint_format
+from k3_trtllm.checkpoint.trtllm import read_trtllm_config
+from k3_trtllm.config import K3Config, load_config
+from k3_trtllm.convert.parallel import Parallel as RankLayout
+from k3_trtllm.convert.parallel import parallel_for
+from k3_trtllm.kernels import register_cuda_kernels
+from k3_trtllm.model import K3Caches, load_model, model_from_state_dict
+from k3_trtllm.model.parallel import shard_hf_checkpoint
 from k3_trtllm.runtime.block_manager import BlockManager
 from k3_trtllm.runtime.cache_budget import size_pools
+from k3_trtllm.runtime.distributed import RankSpec, check_world_one, start_world
 from k3_trtllm.runtime.executor import Executor, TorchExecutor
 from k3_trtllm.runtime.model_runner import ModelRunner
 from k3_trtllm.runtime.sampler import Sampler
@@ -43,6 +53,7 @@ class RequestOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None = None
+    new_log_probs: list[float] | None = None  # when the request's sampling asked for log-probs
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,7 @@ class CompletedRequest:
     ttft_s: float | None
     tpot_s: float | None
     num_preemptions: int
+    output_log_probs: list[float] | None = None  # when the request's sampling asked for log-probs
 
 
 class LLMEngine:
@@ -72,7 +84,7 @@ class LLMEngine:
                                    config.max_num_tokens, self.eos_token_ids)
         self.runner = ModelRunner(executor, config.block_size)
         self.vocab_size = executor.vocab_size
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.eos_token_ids)
         # Requests without a seed get one from here, in arrival order, so that an
         # engine seed makes a whole run reproducible.
         self._seeds = random.Random(seed) if seed is not None else None
@@ -90,6 +102,7 @@ class LLMEngine:
         ``arrival_time`` (engine clock) backdates it, for latency accounting."""
         ids = self._encode(prompt)
         sampling = sampling or SamplingParams()
+        self.sampler.check(sampling, self.vocab_size)
         limit = self.config.max_seq_len
         if limit is not None and len(ids) + sampling.max_new_tokens > limit:
             raise ValueError(f"prompt of {len(ids)} tokens + max_new_tokens {sampling.max_new_tokens} exceeds "
@@ -130,7 +143,8 @@ class LLMEngine:
             request_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids, output_token_ids=out,
             text=self.tokenizer.decode(out_text_ids) if self.tokenizer else None,
             finish_reason=seq.finish_reason, ttft_s=seq.ttft_s, tpot_s=seq.tpot_s,
-            num_preemptions=seq.num_preemptions)
+            num_preemptions=seq.num_preemptions,
+            output_log_probs=list(seq.output_logprobs) if seq.sampling.logprobs else None)
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -180,7 +194,8 @@ class LLMEngine:
             rid = r.seq.seq_id
             if r.finished:
                 self._finished[rid] = self._unfinished.pop(rid)
-            outputs.append(RequestOutput(rid, [r.new_token_id], r.finished, r.seq.finish_reason))
+            log_probs = r.seq.output_logprobs[-1:] if r.seq.sampling.logprobs else None
+            outputs.append(RequestOutput(rid, [r.new_token_id], r.finished, r.seq.finish_reason, log_probs))
         return outputs
 
     def follow(self, request_ids: Iterable[int]) -> Iterator[RequestOutput]:
@@ -219,6 +234,12 @@ class LLMEngine:
 
     # -- stats ---------------------------------------------------------------------
 
+    def close(self) -> None:
+        """Stop the other ranks of a multi-rank engine (nothing to do at world size 1)."""
+        close = getattr(self.runner.executor, "close", None)
+        if close is not None:
+            close()
+
     def reset_stats(self) -> None:
         self.stats = EngineStats()
         self.scheduler.num_preemptions = 0
@@ -247,17 +268,70 @@ class LLMEngine:
 def build_engine(model_dir: str, *, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
                  block_size: int = 16, max_batch_size: int = 64, max_num_tokens: int = 2048,
                  max_seq_len: int = 4096, num_blocks: int | None = None, max_slots: int | None = None,
-                 cache_memory_gb: float | None = None, seed: int | None = None) -> LLMEngine:
-    """Load a checkpoint, size and allocate its cache pools, and wrap it in an engine."""
-    model = load_model(model_dir, dtype=dtype, device=device)
-    cfg = model.config
-    pools = size_pools(K3Caches.bytes_per_block(cfg, block_size, dtype), K3Caches.bytes_per_slot(cfg, dtype),
+                 cache_memory_gb: float | None = None, seed: int | None = None, tp: int | None = None,
+                 ep: int | None = None, batch_invariant: bool = False) -> LLMEngine | None:
+    """Load a checkpoint, size and allocate its cache pools, and wrap it in an engine.
+
+    At world size N > 1 (a converted world-N checkpoint, or an HF one with ``tp`` > 1,
+    sharded at load as the converter shards it) every rank holds its shard and its pools;
+    this process is rank 0 and holds the engine, and the other ranks are the ones
+    ``torchrun`` started or, without it, processes started here (runtime/distributed.py).
+    On those other ranks under ``torchrun`` this serves steps until rank 0 closes its
+    engine, then returns None.
+
+    ``batch_invariant``: on CUDA, a request's output does not depend on the rest of its batch
+    (``kernels.batch_invariant``; slower, and decode runs without CUDA graphs); the CPU
+    reference ops are batch-invariant already."""
+    cfg, tp, ep = _checkpoint_layout(model_dir, tp, ep)
+    pools = size_pools(K3Caches.bytes_per_block(cfg, block_size, dtype), K3Caches.bytes_per_slot(cfg, dtype, tp),
                        block_size=block_size, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                        cache_memory_gb=cache_memory_gb, num_blocks=num_blocks, max_slots=max_slots)
-    caches = K3Caches.allocate(cfg, pools.num_blocks, block_size, pools.max_slots, dtype, device)
-    executor = TorchExecutor(model, caches, device)
+    device_type = torch.device(device).type
+    spec = RankSpec(str(model_dir), dtype, device_type, tp, ep, pools.num_blocks, pools.max_slots, block_size,
+                    threads=max(1, torch.get_num_threads() // int(os.environ.get("LOCAL_WORLD_SIZE", tp))),
+                    batch_invariant=batch_invariant)
+    if tp == 1:
+        check_world_one(model_dir)
+        executor = _rank_executor(spec, torch.device(device))
+    else:
+        executor = start_world(spec, tp, _rank_executor)
+        if executor is None:
+            return None
     config = EngineConfig(num_blocks=pools.num_blocks, max_slots=pools.max_slots, block_size=block_size,
                           max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len)
     eos = cfg.eos_token_id
     eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
     return LLMEngine(executor, config, eos_token_ids=eos_ids, tokenizer=load_tokenizer(model_dir), seed=seed)
+
+
+def _checkpoint_layout(model_dir, tp: int | None, ep: int | None) -> tuple[K3Config, int, int]:
+    """(config, tp, ep): a converted checkpoint's mapping fixes tp and ep; an HF
+    one is sharded at load with ``tp``/``ep`` (default 1), validated as the converter does."""
+    if checkpoint_format(model_dir) == TRTLLM:
+        cfg, data = read_trtllm_config(model_dir)
+        layout = RankLayout.from_mapping_json(data["mapping"], cfg, f"{model_dir}/config.json")
+        if (tp or layout.tp, ep or layout.ep) != (layout.tp, layout.ep):
+            raise ValueError(f"--tp {tp or layout.tp} --ep {ep or layout.ep}: {model_dir} is converted for tp "
+                             f"{layout.tp}, ep {layout.ep} (its rank files fix them; leave --tp/--ep out)")
+        return cfg, layout.tp, layout.ep
+    cfg = load_config(model_dir)
+    layout = parallel_for(cfg, tp or 1, ep or 1, cfg.moe is not None and cfg.moe.mxfp4)
+    return cfg, layout.tp, layout.ep
+
+
+def _rank_executor(spec: RankSpec, device: torch.device) -> TorchExecutor:
+    """This rank's model shard and cache pools (module level: spawned ranks unpickle it)."""
+    if spec.batch_invariant and device.type == "cuda":
+        from k3_trtllm.kernels.batch_invariant import set_batch_invariant
+
+        set_batch_invariant(True)  # before the model loads: the MoE/MLA kernels read it at each launch
+    if spec.tp == 1 or checkpoint_format(spec.model_dir) == TRTLLM:
+        model = load_model(spec.model_dir, dtype=spec.dtype, device=device)
+    else:
+        if device.type == "cuda":
+            register_cuda_kernels()
+        cfg, state, parallel = shard_hf_checkpoint(spec.model_dir, spec.tp, spec.ep, dist.get_rank())
+        model = model_from_state_dict(cfg, state, spec.dtype, device, parallel)
+    caches = model.allocate_caches(spec.num_blocks, spec.block_size, spec.max_slots)
+    # the mode's row-chunked overrides are proven eager only (tests/gpu/test_determinism.py)
+    return TorchExecutor(model, caches, device, cuda_graphs=False if spec.batch_invariant else None)

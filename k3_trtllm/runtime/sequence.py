@@ -27,7 +27,8 @@ class Sequence:
     __slots__ = (
         "seq_id", "sampling", "num_prompt_tokens", "token_ids", "num_cached_tokens",
         "block_table", "state_slot", "status", "finish_reason", "num_preemptions",
-        "arrival_time", "first_token_time", "finish_time", "generator",
+        "arrival_time", "first_token_time", "finish_time", "generator", "output_logprobs",
+        "token_counts", "num_counted_tokens",
     )
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -49,6 +50,12 @@ class Sequence:
         self.finish_time: float | None = None
         # The sampler's per-request RNG (a torch.Generator); opaque to everything else.
         self.generator: Any = None
+        # Log-probability of each output token, when ``sampling.logprobs`` asks for them.
+        self.output_logprobs: list[float] = []
+        # The sampler's running count of each token id in token_ids (for the penalties)
+        # and how many of token_ids it covers; opaque to everything else.
+        self.token_counts: Any = None
+        self.num_counted_tokens = 0
 
     @property
     def prompt_token_ids(self) -> list[int]:

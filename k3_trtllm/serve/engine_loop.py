@@ -2,33 +2,42 @@
 
 The engine is not thread-safe, so only the loop thread touches it: other threads hand
 requests over through a queue, and each request reports back through its ``Sink``.
+Shutting down (``stop``, or ``should_drain`` turning true) stops admitting and ends every
+open request with the error SHUTTING_DOWN at once, so that clients learn it within one
+loop turn instead of when the host gives up on them.
 """
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from k3_trtllm.runtime.engine import LLMEngine
 from k3_trtllm.serve.protocol import GenerationRequest
 
 log = logging.getLogger(__name__)
+SHUTTING_DOWN = "server shutting down"
+# Why a request failed: it was bad, the engine failed, or the server is going away.
+ErrorKind = Literal["client", "internal", "unavailable"]
 
 
 class Sink(Protocol):
     """Where one request's results go. Exceptions it raises end that request only."""
 
-    def on_tokens(self, new_ids: list[int], finish_reason: str | None) -> bool:
-        """New tokens; ``finish_reason`` is set when the engine finished the request.
-        Return True when the request is done (finished, or it hit a stop sequence);
-        the sink has then sent its last response."""
+    def on_tokens(self, new_ids: list[int], finish_reason: str | None,
+                  new_log_probs: list[float] | None = None) -> bool:
+        """New tokens (with their log-probabilities when the request asked for them);
+        ``finish_reason`` is set when the engine finished the request. Return True when
+        the request is done (finished, or it hit a stop sequence); the sink has then
+        sent its last response."""
 
-    def on_error(self, message: str, client_error: bool = False) -> None:
-        """The request failed (``client_error``: the request itself was bad) or was
-        dropped; send the error and close."""
+    def on_error(self, message: str, kind: ErrorKind = "internal") -> None:
+        """The request failed or was dropped; send the error and close."""
 
     def on_cancelled(self) -> None:
         """The client cancelled: close without an answer."""
@@ -51,13 +60,20 @@ class LoopStats:
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, *, cancel_check_period_s: float = 0.05,
-                 on_stats=None) -> None:
+                 on_stats=None, should_drain: Callable[[], bool] | None = None,
+                 on_drained: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.cancel_check_period_s = cancel_check_period_s
         self.on_stats = on_stats  # called from the loop thread with a LoopStats when they change
+        # Asked every loop turn (at least every 0.5 s when idle); True shuts the loop down.
+        self.should_drain = should_drain
+        self.on_drained = on_drained  # called from the loop thread once every request is answered
         self._incoming: queue.Queue[tuple[GenerationRequest, Sink]] = queue.Queue()
         self._active: dict[int, Sink] = {}  # engine request id -> its sink
         self._stopping = threading.Event()
+        # Held while a request is queued and while the stopping loop empties the queue,
+        # so that no request slips in behind the last sweep unanswered.
+        self._submit_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="k3-engine-loop", daemon=True)
         self._counts = {"finished": 0, "cancelled": 0, "failed": 0}
         self._last_cancel_check = 0.0
@@ -68,10 +84,11 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
-        if self._stopping.is_set():
-            sink.on_error("the model is shutting down")
-            return
-        self._incoming.put((request, sink))
+        with self._submit_lock:
+            if not self._stopping.is_set():
+                self._incoming.put((request, sink))
+                return
+        sink.on_error(SHUTTING_DOWN, "unavailable")
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop stepping; requests still open get an error. No stats are published after
@@ -90,6 +107,10 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
+                if self._drain_requested():
+                    log.info("draining: %d requests in flight get '%s'", len(self._active), SHUTTING_DOWN)
+                    self._stopping.set()
+                    break
                 self._admit(block=not self.engine.has_unfinished())
                 self._check_cancelled()
                 if self.engine.has_unfinished():
@@ -97,6 +118,17 @@ class EngineLoop:
                 self._publish_stats()
         finally:
             self._drain_on_stop()
+            if self.on_drained is not None:
+                _safely(self.on_drained)
+
+    def _drain_requested(self) -> bool:
+        if self.should_drain is None:
+            return False
+        try:
+            return bool(self.should_drain())
+        except Exception:  # a broken check must not stop the server
+            log.exception("drain check failed")
+            return False
 
     def _admit(self, block: bool) -> None:
         while True:
@@ -112,7 +144,7 @@ class EngineLoop:
                 rid = self.engine.add_request(request.prompt, request.sampling)
             except ValueError as e:  # prompt too long for the engine, ids outside the vocabulary, ...
                 self._counts["failed"] += 1
-                _safely(sink.on_error, str(e), True)
+                _safely(sink.on_error, str(e), "client")
                 continue
             self._active[rid] = sink
 
@@ -145,7 +177,8 @@ class EngineLoop:
             if sink is None:
                 continue
             try:
-                done = sink.on_tokens(out.new_token_ids, out.finish_reason if out.finished else None)
+                done = sink.on_tokens(out.new_token_ids, out.finish_reason if out.finished else None,
+                                      out.new_log_probs)
             except Exception:
                 log.exception("request %d: sending tokens failed; dropping it", out.request_id)
                 self._end(out.request_id, "failed")
@@ -163,14 +196,15 @@ class EngineLoop:
     def _drain_on_stop(self) -> None:
         for rid, sink in list(self._active.items()):
             self._end(rid, "failed")
-            _safely(sink.on_error, "the model is shutting down")
-        while True:
-            try:
-                item = self._incoming.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                _safely(item[1].on_error, "the model is shutting down")
+            _safely(sink.on_error, SHUTTING_DOWN, "unavailable")
+        with self._submit_lock:
+            while True:
+                try:
+                    item = self._incoming.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    _safely(item[1].on_error, SHUTTING_DOWN, "unavailable")
         self._publish_stats()
 
     def _snapshot(self) -> LoopStats:
@@ -185,6 +219,16 @@ class EngineLoop:
             changed, self._last_stats = stats != self._last_stats, stats
         if changed and self.on_stats is not None:
             _safely(self.on_stats, stats)
+
+
+def file_drain(path: str) -> dict:
+    """EngineLoop keyword arguments that drain the loop when ``path`` appears and then
+    write ``path + ".done"`` (how ``k3-trt serve`` reaches the model in Triton's stub)."""
+    def drained() -> None:
+        with open(path + ".done", "w"):
+            pass
+
+    return {"should_drain": lambda: os.path.exists(path), "on_drained": drained}
 
 
 def _safely(fn, *args) -> None:

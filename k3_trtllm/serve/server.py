@@ -10,6 +10,7 @@ pools must be off.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.metadata
 import importlib.util
@@ -89,6 +90,24 @@ def server_env(install: TritonInstall, base: dict[str, str] | None = None) -> di
     return env
 
 
+def _stub_shm_regions(process_group: int) -> list[str]:
+    """The shared-memory region names of the live Python backend stubs in ``process_group``
+    (a stub's second argument)."""
+    regions = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            pgid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2])
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if (pgid == process_group and len(argv) > 2 and argv[0].endswith(b"triton_python_backend_stub")
+                and argv[2].startswith(b"triton_python_backend_shm_region_") and b"/" not in argv[2]):
+            regions.append(argv[2].decode())
+    return regions
+
+
 def _stop_with_parent() -> None:
     """In the child before exec: SIGINT when the starting thread dies, so that a killed
     launcher does not leave the server running."""
@@ -111,6 +130,7 @@ class TritonServer:
         self.exit_timeout_s = exit_timeout_s
         self.verbose = verbose
         self.process: subprocess.Popen | None = None
+        self.forced = False  # whether the last stop had to kill the server
 
     # Clients reach a server listening on all interfaces through loopback.
     @property
@@ -185,21 +205,32 @@ class TritonServer:
 
     def stop(self, timeout_s: float | None = None) -> int | None:
         """SIGINT (tritonserver unloads its models and stops their stubs), then SIGKILL to
-        whatever of the process group is left after ``timeout_s``. Returns the exit code."""
+        whatever of the process group is left after ``timeout_s``, removing the shared
+        memory of the stubs it kills. Returns the exit code.
+
+        tritonserver cannot unload a model while a client keeps a gRPC stream open, even
+        one whose requests are all answered, and then never exits by itself: the kill is
+        what ends it (``forced`` tells)."""
         if self.process is None:
             return None
         timeout_s = self.exit_timeout_s + 10 if timeout_s is None else timeout_s
+        self.forced = False
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                pass
+                self.forced = True
+        regions = _stub_shm_regions(self.process.pid)  # before the kill: read from the stubs' command lines
         try:
             os.killpg(self.process.pid, signal.SIGKILL)  # stragglers: a hung server or orphaned stubs
         except ProcessLookupError:
             pass
-        return self.process.wait()
+        code = self.process.wait()
+        for region in regions:  # a killed server leaves its stubs' regions behind; a clean exit removes them
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(Path("/dev/shm") / region)
+        return code
 
     def _log_hint(self) -> str:
         if self.log_file is None or not self.log_file.is_file():

@@ -5,6 +5,11 @@ backend stub, where ``triton_python_backend_utils`` exists. ``execute`` only par
 queues; the engine loop thread streams each request's tokens through its response sender.
 Engine state is published as Triton metrics on the metrics port:
 ``k3_engine{model="k3",quantity="blocks_in_use"}`` and the other LoopStats fields.
+
+Draining: when the ``drain_file`` parameter names a file and that file appears (``k3-trt
+serve`` creates it on SIGINT/SIGTERM), the loop stops admitting and ends every open
+request with "server shutting down" (UNAVAILABLE), then writes ``drain_file + ".done"``;
+tritonserver, stopped next, then has nothing in flight to wait for.
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import logging
 
 import triton_python_backend_utils as pb_utils
 
-from k3_trtllm.serve.engine_loop import EngineLoop, LoopStats
+from k3_trtllm.serve.engine_loop import EngineLoop, ErrorKind, LoopStats
 from k3_trtllm.serve.protocol import BadRequest, ResponseBuilder, output_arrays, parse_request
 from k3_trtllm.serve.repository import engine_kwargs_from_parameters
 
@@ -28,16 +33,18 @@ class TritonStream:
         self.sender = request.get_response_sender()
         self.builder = ResponseBuilder(generation, tokenizer)
 
-    def on_tokens(self, new_ids: list[int], finish_reason: str | None) -> bool:
-        chunk, done = self.builder.add(new_ids, finish_reason)
+    def on_tokens(self, new_ids: list[int], finish_reason: str | None,
+                  new_log_probs: list[float] | None = None) -> bool:
+        chunk, done = self.builder.add(new_ids, finish_reason, new_log_probs)
         if chunk is not None:
-            tensors = [pb_utils.Tensor(name, array) for name, array in output_arrays(chunk.ids, chunk.text).items()]
+            tensors = [pb_utils.Tensor(name, array) for name, array in output_arrays(chunk).items()]
             self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if chunk.final else 0)
         return done
 
-    def on_error(self, message: str, client_error: bool = False) -> None:
-        send_error(self.sender, message,
-                   pb_utils.TritonError.INVALID_ARG if client_error else pb_utils.TritonError.INTERNAL)
+    def on_error(self, message: str, kind: ErrorKind = "internal") -> None:
+        codes = {"client": pb_utils.TritonError.INVALID_ARG, "internal": pb_utils.TritonError.INTERNAL,
+                 "unavailable": pb_utils.TritonError.UNAVAILABLE}
+        send_error(self.sender, message, codes[kind])
 
     def on_cancelled(self) -> None:
         self.sender.send(flags=FINAL)
@@ -117,6 +124,7 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.loop.stop()
+        self.engine.close()  # world size > 1: stops the ranks this model started
 
 
 def _input(request, name: str):
