@@ -2,6 +2,9 @@
 every model test needs one); every test runs torch single-threaded."""
 from __future__ import annotations
 
+import faulthandler
+import sys
+
 import pytest
 import torch
 
@@ -30,3 +33,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# No test takes minutes on the 2-core CI machine; one that hangs (a lost rank, a stuck server)
+# must fail the run with every thread's stack instead of holding CI until its hard limit.
+TEST_HANG_S = 600
+
+
+@pytest.fixture(autouse=True)
+def hang_watchdog():
+    faulthandler.dump_traceback_later(TEST_HANG_S, exit=True, file=sys.stderr)
+    yield
+    faulthandler.cancel_dump_traceback_later()

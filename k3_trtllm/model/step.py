@@ -78,3 +78,35 @@ def build_step(
         state_slots=torch.tensor(slots, dtype=i32),
         has_initial_state=torch.tensor([1 if c > 0 else 0 for c in ctx], dtype=i32),
     )
+
+
+# The step as one int32 tensor, for broadcasting it to the other ranks (runtime/distributed.py):
+# the fields in StepInputs' declaration order, flattened and concatenated; ``step_shapes`` is
+# what the receiver needs to cut it apart again (two dims per field: every field is 1-d or 2-d).
+PACKED_SHAPE_LEN = 2 * len(fields(StepInputs))
+
+
+def step_shapes(step: StepInputs) -> list[int]:
+    shapes = []
+    for f in fields(StepInputs):
+        shape = tuple(getattr(step, f.name).shape)
+        shapes += [shape[0], shape[1] if len(shape) == 2 else -1]
+    return shapes
+
+
+def pack_step(step: StepInputs) -> torch.Tensor:
+    return torch.cat([getattr(step, f.name).reshape(-1).to(torch.int32) for f in fields(StepInputs)])
+
+
+def packed_numel(shapes: list[int]) -> int:
+    return sum(a * (b if b >= 0 else 1) for a, b in zip(shapes[0::2], shapes[1::2]))
+
+
+def unpack_step(shapes: list[int], packed: torch.Tensor) -> StepInputs:
+    """The inverse of ``pack_step`` (views into ``packed``)."""
+    out, at = {}, 0
+    for f, a, b in zip(fields(StepInputs), shapes[0::2], shapes[1::2]):
+        n = a * (b if b >= 0 else 1)
+        out[f.name] = packed[at: at + n].view(a, b) if b >= 0 else packed[at: at + n]
+        at += n
+    return StepInputs(**out)
