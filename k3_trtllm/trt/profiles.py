@@ -58,9 +58,11 @@ def dim_ranges(limits: BuildLimits, phase: str) -> dict[str, tuple[int, int, int
     }
 
 
-def profile_shapes(inputs: tuple[TensorIO, ...], limits: BuildLimits, phase: str) -> dict[str, list[list[int]]]:
-    """Input name -> [min shape, opt shape, max shape]."""
-    ranges = dim_ranges(limits, phase)
+def profile_shapes(inputs: tuple[TensorIO, ...], limits: BuildLimits, phase: str,
+                   extra: dict[str, tuple[int, int, int]] | None = None) -> dict[str, list[list[int]]]:
+    """Input name -> [min shape, opt shape, max shape]; ``extra``: (min, opt, max) of dims
+    that the limits do not fix (a segment's AttnRes block count)."""
+    ranges = {**dim_ranges(limits, phase), **(extra or {})}
     out = {}
     for t in inputs:
         out[t.name] = [[d if isinstance(d, int) else ranges[d][k] for d in t.shape] for k in range(3)]
