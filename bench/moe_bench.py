@@ -2,6 +2,7 @@
 
     python3 bench/moe_bench.py --out DIR        (writes DIR/moe_h200.json)
     python3 bench/moe_bench.py --prefill-only --out DIR
+    python3 bench/moe_bench.py --ours-only --out DIR  (no torch baselines: library A/B runs)
     python3 bench/moe_bench.py --profile-once   (one eager bf16 prefill call, for ncu)
 
 Prefill: 4096 tokens x top-16 over 112 local experts (E = El = 112: one EP rank's share after
@@ -161,16 +162,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--prefill-only", action="store_true", help="skip the decode cases")
+    parser.add_argument("--ours-only", action="store_true",
+                        help="skip the torch._grouped_mm baselines and the 896-expert router (A/B runs of "
+                             "two kernel libraries need only our op)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="the MoE batch-invariant mode (kernels chosen by sizes, not token count)")
     parser.add_argument("--profile-once", action="store_true",
                         help="only call the bf16 prefill op once, eagerly (run under ncu)")
     args = parser.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
+    if args.batch_invariant:
+        moe_kernels.set_batch_invariant(True)
     if args.profile_once:
         torch.ops.k3.situ_moe(*inputs(PREFILL_T, g), *make_experts(False, g), *ATTRS)
         torch.cuda.synchronize()
         return
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "commit": os.environ.get("K3_COMMIT", "unknown"),
+              "commit": os.environ.get("K3_COMMIT", "unknown"), "batch_invariant": args.batch_invariant,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "shape": {"E": E, "El": EL, "top_k": TOP_K, "L": L, "I": I, "D": D},
               "copy_bandwidth_GBps": copy_bandwidth_gbs(), "prefill": {}, "decode": {}}
@@ -185,7 +193,7 @@ def main() -> None:
                  "ours_router_ms": time_ms(lambda: moe_kernels.route(x, router, bias, TOP_K, 1, 1, 0, True, 1.0), 3),
                  "kernel_ms": kernel_ms(lambda: (torch.ops.k3.situ_moe_mxfp4 if mxfp4 else torch.ops.k3.situ_moe)(
                      x, z, router, bias, *experts, *ATTRS))}
-        if not mxfp4:
+        if not mxfp4 and not args.ours_only:
             # K3's whole router (896 experts, before the all-to-all) at the same T, for scale.
             router896 = torch.randn(8 * E, D, generator=g, device="cuda") * D ** -0.5
             bias896 = torch.randn(8 * E, generator=g, device="cuda") * 0.1

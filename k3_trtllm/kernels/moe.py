@@ -3,7 +3,8 @@
 
 Importing this module registers both kernels for CUDA tensors. They take bf16 activations,
 fp32 router weight / correction bias and bf16 or MXFP4 experts; other dtypes (the fp32/fp64
-exactness checks) and sizes the kernels are not built for fall through to the reference ops.
+exactness checks) and sizes the kernels are not built for fall through to the reference ops,
+with one warning per distinct reason.
 Arguments are validated by the reference's own checks, so errors read the same on both paths.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ..ops import registry
 from ..ops.contract import SITU_MOE, SITU_MOE_MXFP4
 from ..ops.moe import op as _reference  # importing defines the k3::situ_moe* ops
 from ..ops.moe.mxfp4 import check_mxfp4_pair
-from . import check, load_library
+from . import check, fall_back, load_library
 
 _LIB = load_library()
 _p, _i, _f, _sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
@@ -33,18 +34,41 @@ _LIB.k3_situ_moe_mxfp4.argtypes = [_p] * 9 + _SIZES_AND_ATTRS
 _LIB.k3_situ_moe_mxfp4.restype = _i
 
 
+def set_batch_invariant(enabled: bool) -> bool:
+    """Process-wide MoE batch-invariant mode (default off; returns the previous setting): a
+    token's output bits then do not depend on the other tokens of the call, since the kernels
+    are chosen by the sizes alone (the tensor-core router logits and the tiled expert GEMMs for
+    every token count; small batches otherwise take the router GEMV and the weight-streaming
+    decode GEMMs, which round differently). Run-to-run determinism holds in both modes. Costs
+    decode speed (bench/results/determinism_h200.json). Libraries without the switch (built
+    before it) raise RuntimeError."""
+    try:
+        set_mode, get_mode = _LIB.k3_moe_set_batch_invariant, _LIB.k3_moe_batch_invariant
+    except AttributeError:
+        raise RuntimeError("the CUDA kernel library has no MoE batch-invariant mode: rebuild it with "
+                           "build_scripts/build_kernels.sh") from None
+    set_mode.argtypes, set_mode.restype, get_mode.restype = [_i], None, _i
+    previous = bool(get_mode())
+    set_mode(int(bool(enabled)))
+    return previous
+
+
 def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-def _kernel_ready(tensors: dict[str, torch.Tensor], float_dtypes: dict[str, torch.dtype]) -> bool:
-    """Dtypes the kernels take, contiguous, 16-byte aligned (cp.async rows)."""
+def _unready(tensors: dict[str, torch.Tensor], float_dtypes: dict[str, torch.dtype]) -> str | None:
+    """Why the kernels cannot read these tensors, or None: they take the dtypes given,
+    contiguous and 16-byte aligned (cp.async rows)."""
     for name, t in tensors.items():
         if name in float_dtypes and t.dtype != float_dtypes[name]:
-            return False
-        if not t.is_contiguous() or t.data_ptr() % 16 != 0:
-            return False
-    return True
+            return f"{name} of dtype {str(t.dtype).removeprefix('torch.')} (they take " \
+                   f"{str(float_dtypes[name]).removeprefix('torch.')})"
+        if not t.is_contiguous():
+            return f"a non-contiguous {name}"
+        if t.data_ptr() % 16 != 0:
+            return f"{name} not 16-byte aligned"
+    return None
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
@@ -91,9 +115,12 @@ def _launch(entry, x, z, router_weight, correction_bias, weights, latent, inter,
     return out
 
 
-def _supported(attrs, num_local: int, latent: int, inter: int) -> bool:
+def _unsupported_sizes(attrs, num_local: int, latent: int, inter: int) -> str | None:
     num_experts, top_k, num_expert_group = attrs[0], attrs[1], attrs[2]
-    return bool(_LIB.k3_moe_supported(num_experts, num_local, top_k, num_expert_group, latent, inter))
+    if _LIB.k3_moe_supported(num_experts, num_local, top_k, num_expert_group, latent, inter):
+        return None
+    return (f"{num_experts} experts ({num_local} local), top_k {top_k}, {num_expert_group} expert groups, "
+            f"latent {latent}, intermediate {inter}")
 
 
 _ROUTER = {"x": torch.bfloat16, "z": torch.bfloat16, "router_weight": torch.float32,
@@ -104,14 +131,16 @@ def situ_moe_cuda(x, z, router_weight, correction_bias, w13, w2, *attrs):
     args = (x, z, router_weight, correction_bias, w13, w2, *attrs)
     tensors = {"x": x, "z": z, "router_weight": router_weight, "correction_bias": correction_bias,
                "w13": w13, "w2": w2}
-    if not _kernel_ready(tensors, {**_ROUTER, "w13": torch.bfloat16, "w2": torch.bfloat16}):
-        return _reference.situ_moe_reference(*args)
+    reason = _unready(tensors, {**_ROUTER, "w13": torch.bfloat16, "w2": torch.bfloat16})
+    if reason is not None:
+        return fall_back("situ_moe", reason, _reference.situ_moe_reference, *args)
     _reference._check_routing(x, z, router_weight, correction_bias, attrs[0], attrs[1], attrs[2], attrs[3],
                                attrs[5], attrs[6], attrs[8], attrs[9], attrs[10])
     _reference._check_experts(tuple(w13.shape), tuple(w2.shape), z.shape[1], attrs[0], attrs[4], "w13", "w2")
     num_local, inter = w13.shape[0], w2.shape[2]
-    if not _supported(attrs, num_local, z.shape[1], inter):
-        return _reference.situ_moe_reference(*args)
+    reason = _unsupported_sizes(attrs, num_local, z.shape[1], inter)
+    if reason is not None:
+        return fall_back("situ_moe", reason, _reference.situ_moe_reference, *args)
     return _launch(_LIB.k3_situ_moe, x, z, router_weight, correction_bias, (w13, w2), z.shape[1], inter, num_local,
                    attrs)
 
@@ -120,8 +149,9 @@ def situ_moe_mxfp4_cuda(x, z, router_weight, correction_bias, w13_packed, w13_sc
     args = (x, z, router_weight, correction_bias, w13_packed, w13_scale, w2_packed, w2_scale, *attrs)
     tensors = {"x": x, "z": z, "router_weight": router_weight, "correction_bias": correction_bias,
                "w13_packed": w13_packed, "w13_scale": w13_scale, "w2_packed": w2_packed, "w2_scale": w2_scale}
-    if not _kernel_ready({k: v for k, v in tensors.items() if "scale" not in k}, _ROUTER):
-        return _reference.situ_moe_mxfp4_reference(*args)
+    reason = _unready({k: v for k, v in tensors.items() if "scale" not in k}, _ROUTER)
+    if reason is not None:
+        return fall_back("situ_moe_mxfp4", reason, _reference.situ_moe_mxfp4_reference, *args)
     _reference._check_routing(x, z, router_weight, correction_bias, attrs[0], attrs[1], attrs[2], attrs[3],
                               attrs[5], attrs[6], attrs[8], attrs[9], attrs[10])
     w13_cols = check_mxfp4_pair(w13_packed, w13_scale, "w13_packed", "w13_scale")
@@ -129,9 +159,10 @@ def situ_moe_mxfp4_cuda(x, z, router_weight, correction_bias, w13_packed, w13_sc
     _reference._check_experts((*w13_packed.shape[:-1], w13_cols), (*w2_packed.shape[:-1], w2_cols), z.shape[1],
                               attrs[0], attrs[4], "w13_packed", "w2_packed")
     num_local, inter = w13_packed.shape[0], w2_cols
-    if not (w13_scale.is_contiguous() and w2_scale.is_contiguous()) or not _supported(attrs, num_local, z.shape[1],
-                                                                                         inter):
-        return _reference.situ_moe_mxfp4_reference(*args)
+    reason = ("a non-contiguous expert scale" if not (w13_scale.is_contiguous() and w2_scale.is_contiguous())
+              else _unsupported_sizes(attrs, num_local, z.shape[1], inter))
+    if reason is not None:
+        return fall_back("situ_moe_mxfp4", reason, _reference.situ_moe_mxfp4_reference, *args)
     return _launch(_LIB.k3_situ_moe_mxfp4, x, z, router_weight, correction_bias,
                    (w13_packed, w13_scale, w2_packed, w2_scale), z.shape[1], inter, num_local, attrs)
 

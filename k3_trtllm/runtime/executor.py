@@ -1,6 +1,8 @@
 """What runs a step: the engine only needs ``execute(step) -> logits``."""
 from __future__ import annotations
 
+import warnings
+from dataclasses import fields
 from typing import Protocol
 
 import torch
@@ -21,15 +23,130 @@ class Executor(Protocol):
     def execute(self, step: StepInputs) -> torch.Tensor: ...
 
 
-class TorchExecutor:
-    """The torch model (reference ops on CPU, CUDA kernels where registered)."""
+def padded_width(width: int) -> int:
+    """The block-table width a decode step runs at: the next power of two, so a batch whose
+    contexts grow reuses one CUDA graph for many steps."""
+    return 1 << max(0, width - 1).bit_length()
 
-    def __init__(self, model: torch.nn.Module, caches, device: torch.device | str) -> None:
+
+def pad_block_tables(step: StepInputs, width: int) -> StepInputs:
+    """``step`` with its block tables widened to ``width`` by zeros. Entries past a
+    sequence's context are never read (context_lens bounds every read), so this changes only
+    the launch shape, which the MLA decode kernel's split plan is chosen from."""
+    tables = step.block_tables
+    if tables.shape[1] == width:
+        return step
+    wide = tables.new_zeros(tables.shape[0], width)
+    wide[:, : tables.shape[1]] = tables
+    return StepInputs(**{**{f.name: getattr(step, f.name) for f in fields(StepInputs)}, "block_tables": wide})
+
+
+_ALIGN = 4  # int32 elements in 16 bytes
+
+
+class _DecodeGraph:
+    """One pure-decode step shape (``num_seqs`` sequences, block tables ``width`` wide)
+    captured into a CUDA graph. Its static inputs are views into one int32 device buffer,
+    so a step costs one host-to-device copy (from a pinned staging buffer) and one replay."""
+
+    def __init__(self, model: torch.nn.Module, caches, device: torch.device, num_seqs: int, width: int, pool):
+        shapes = {f.name: (num_seqs,) for f in fields(StepInputs)}
+        shapes["cu_seqlens"] = (num_seqs + 1,)
+        shapes["block_tables"] = (num_seqs, width)
+        # each field starts on a 16-byte boundary: the kernels read index tensors with
+        # vector loads and fall back to the reference op (which syncs) for unaligned ones
+        starts, total = {}, 0
+        for name, shape in shapes.items():
+            starts[name] = total
+            total += -(-int(torch.Size(shape).numel()) // _ALIGN) * _ALIGN
+        self.staging = torch.zeros(total, dtype=torch.int32, pin_memory=True)
+        self.buffer = torch.zeros(total, dtype=torch.int32, device=device)
+        self._host, views = {}, {}
+        for name, shape in shapes.items():
+            n, at = int(torch.Size(shape).numel()), starts[name]
+            self._host[name] = self.staging[at: at + n].view(shape)
+            views[name] = self.buffer[at: at + n].view(shape)
+        self.step = StepInputs(**views)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+        # Capturing records the kernels without running them: the caches are not touched.
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = model(self.step, caches, decode=True)
+
+    def run(self, step: StepInputs) -> torch.Tensor:
+        self.copied.synchronize()  # the previous step's copy has left the staging buffer
+        for name, host in self._host.items():
+            host.copy_(getattr(step, name))
+        self.buffer.copy_(self.staging, non_blocking=True)
+        self.copied.record()
+        self.graph.replay()
+        # the graph's output is overwritten by the next replay; the caller owns what it gets
+        return self.logits.clone()
+
+
+class TorchExecutor:
+    """The torch model (reference ops on CPU, CUDA kernels where registered).
+
+    On a CUDA device, with a world-size-1 model and ``cuda_graphs`` (the default there),
+    pure-decode steps run as CUDA graphs, one per (batch size, padded block-table width):
+    the first step of a shape runs eagerly (its warm-up) and is then captured; later steps of
+    that shape copy their inputs into the graph's static buffers and replay it. Decode steps
+    run at the padded width on both paths, so a replay computes exactly what the eager step
+    does. The phase is read off the step while it is still on the host (``build_step`` makes
+    it there), so choosing costs no device sync. Prefill and mixed steps run eagerly.
+    Multi-rank models stay eager (every rank would have to capture the same collectives)."""
+
+    def __init__(self, model: torch.nn.Module, caches, device: torch.device | str,
+                 cuda_graphs: bool | None = None, max_graph_batch: int = 256, max_graphs: int = 64) -> None:
         self.model = model
         self.caches = caches
         self.device = torch.device(device)
         self.vocab_size = int(model.config.vocab_size)
+        tp_size = getattr(getattr(model, "parallel", None), "tp_size", 1)
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda" and tp_size == 1
+        if cuda_graphs and (self.device.type != "cuda" or tp_size != 1):
+            raise ValueError("cuda_graphs: needs a CUDA device and a world-size-1 model "
+                             f"(device {self.device}, tp size {tp_size})")
+        self.cuda_graphs = cuda_graphs
+        self.max_graph_batch = max_graph_batch
+        # each graph holds its static buffers and a share of the graph pool: bound them, and
+        # run shapes past the bound eagerly rather than grow without limit
+        self.max_graphs = max_graphs
+        self.graphs: dict[tuple[int, int], _DecodeGraph] = {}
+        self.eager_shapes: set[tuple[int, int]] = set()  # shapes whose capture failed
+        self.graph_replays = 0
+        self._pool = None
 
     @torch.inference_mode()
     def execute(self, step: StepInputs) -> torch.Tensor:
-        return self.model(step.to(self.device), self.caches)
+        on_host = step.input_ids.device.type == "cpu"
+        decode = step.is_pure_decode() if on_host else None  # on the device it would sync
+        if not (self.cuda_graphs and decode and step.num_seqs <= self.max_graph_batch):
+            return self.model(step.to(self.device), self.caches, decode)
+        width = padded_width(step.block_tables.shape[1])
+        step = pad_block_tables(step, width)
+        key = (step.num_seqs, width)
+        graph = self.graphs.get(key)
+        if graph is None:
+            logits = self.model(step.to(self.device), self.caches, True)
+            if key not in self.eager_shapes and len(self.graphs) < self.max_graphs:
+                self._capture(key, step.num_seqs, width)
+            return logits
+        self.graph_replays += 1
+        return graph.run(step)
+
+    def _capture(self, key: tuple[int, int], num_seqs: int, width: int) -> None:
+        """Capture one decode shape. A capture that fails (an op that syncs or falls back to
+        a host-side path) leaves that shape eager for good, with one warning: the run goes on,
+        only slower."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()  # every shape's graph shares one pool
+        try:
+            self.graphs[key] = _DecodeGraph(self.model, self.caches, self.device, num_seqs, width, self._pool)
+        except RuntimeError as e:
+            self.eager_shapes.add(key)
+            warnings.warn(f"k3-trt: decode steps of {num_seqs} sequences x {width} blocks run eagerly: "
+                          f"CUDA-graph capture failed ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
+                          RuntimeWarning, stacklevel=2)

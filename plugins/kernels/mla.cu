@@ -21,6 +21,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstddef>
@@ -71,6 +72,14 @@ int sm_count() {
   return sms;
 }
 
+// Batch-invariant mode (k3_mla_set_batch_invariant): key splits of a fixed kInvariantSplitTokens
+// keys, so a sequence's splits, and the merge of their partials, do not depend on the batch (the
+// default sizes them by the batch's token count and block-table width). Splits past a sequence's
+// end are empty (weight 0), which leaves the merged value's bits as they are; a single split
+// writes bf16(o) directly, which is what the merge of one non-empty split gives too.
+std::atomic<int> g_batch_invariant{0};
+constexpr int64_t kInvariantSplitTokens = 4 * kTileTokens;
+
 // The key range of a CTA is split so that the grid fills whole waves (wgmma kernel: one CTA
 // per SM, ~226 KB of shared memory; mma.sync kernel: two per SM). The longest possible
 // sequence is the block table's width; the cost model is waves x tokens per split, ties
@@ -80,6 +89,13 @@ SplitPlan plan_splits(int num_tokens, int num_heads, int rank, int max_blocks, i
   plan.heads_per_cta = heads_per_cta(rank, num_heads);
   plan.head_groups = (num_heads + plan.heads_per_cta - 1) / plan.heads_per_cta;
   const int64_t max_kv = std::max<int64_t>(1, static_cast<int64_t>(max_blocks) * block_size);
+  if (g_batch_invariant.load(std::memory_order_relaxed) != 0) {
+    int64_t chunk = kInvariantSplitTokens;  // doubled past kMaxCombineSplits splits (> 256 K keys)
+    while ((max_kv + chunk - 1) / chunk > k3::mla::kMaxCombineSplits) chunk *= 2;
+    plan.split_tokens = static_cast<int>(chunk);
+    plan.num_splits = static_cast<int>((max_kv + chunk - 1) / chunk);
+    return plan;
+  }
   const int64_t base = std::max<int64_t>(1, static_cast<int64_t>(num_tokens) * plan.head_groups);
   const int64_t slots = sm_count() * (plan.heads_per_cta == 64 ? 1 : kSmallCtasPerSm);
   const int64_t max_splits =
@@ -297,8 +313,12 @@ bool expanded_supported(int rank, int rope, int nope, int v_dim) {
          ((nope == 128 && rope == 64 && v_dim == 128) || (nope == 32 && rope == 16 && v_dim == 32));
 }
 
+// Batch-invariant mode: never (the choice follows the batch's tokens per sequence, and the
+// expanded form's key passes run over the whole batch's keys): the absorbed form, whose splits
+// are then fixed per sequence.
 bool prefer_expanded(int num_tokens, int num_seqs) {
-  return static_cast<int64_t>(num_tokens) >= static_cast<int64_t>(kExpandedMinTokensPerSeq) * num_seqs;
+  return g_batch_invariant.load(std::memory_order_relaxed) == 0 &&
+         static_cast<int64_t>(num_tokens) >= static_cast<int64_t>(kExpandedMinTokensPerSeq) * num_seqs;
 }
 
 struct ExpandedLayout {
@@ -496,6 +516,8 @@ bool valid_sizes(int num_tokens, int num_seqs, int max_blocks, int block_size, i
 }  // namespace
 
 extern "C" {
+
+void k3_mla_set_batch_invariant(int enabled) { g_batch_invariant.store(enabled != 0, std::memory_order_relaxed); }
 
 // Workspace bytes of k3_mla_decode, and enough for k3_mla_prefill (its expanded form fits
 // its key passes into whatever it is given); k3_mla_prefill_workspace_size is the prefill's own need.

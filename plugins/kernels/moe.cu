@@ -1,9 +1,13 @@
 // SiTU latent-MoE routed part (contracts K3SituMoe / K3SituMoeMxfp4): router, permutation,
-// grouped gate/up GEMM with the GLU epilogue, grouped down GEMM with the weighted fp32
-// combine, one rounding to bf16. C ABI in k3/moe_api.h.
+// grouped gate/up GEMM with the GLU epilogue, grouped down GEMM writing one weighted fp32
+// partial row per (token, slot), the combine summing each token's slots in slot order with
+// one rounding to bf16. No floating-point atomics anywhere: the same inputs give the same
+// output bits on every run (the integer atomics of the permutation only reorder rows inside
+// an expert, which no output bit depends on: permute.cuh). C ABI in k3/moe_api.h.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <type_traits>
 
 #include "k3/common/workspace_carver.h"
@@ -26,7 +30,7 @@ struct Workspace {
   float* topk_weights;
   Schedule schedule;
   __nv_bfloat16* h;
-  float* acc;
+  float* part;  // [T*k, L] weighted down-GEMM rows, in sorted-row order
   size_t bytes;
 };
 
@@ -47,8 +51,9 @@ Workspace carve(char* base, int T, int E, int k, int El, int L, int I) {
   w.schedule.num_tiles = c.take<int>(1);
   w.schedule.sorted_token = c.take<int>(assignments);
   w.schedule.sorted_weight = c.take<float>(assignments);
+  w.schedule.slot_row = c.take<int>(assignments);
   w.h = c.take<__nv_bfloat16>(assignments * I);
-  w.acc = c.take<float>((size_t)T * L);
+  w.part = c.take<float>(assignments * L);
   w.bytes = c.used();
   return w;
 }
@@ -72,24 +77,29 @@ void with_experts_per_lane(int E, F f) {
   }
 }
 
-bool gemv_logits_apply(int T, int D) { return T <= kGemvMaxTokens && D % 4 == 0; }
+// Batch-invariant mode (k3_moe_set_batch_invariant): the kernels are chosen by the sizes alone,
+// never by the token count, so a token's output bits do not depend on the rest of the batch.
+// Read on the host at every launch (graph capture records the choice made then).
+std::atomic<int> g_batch_invariant{0};
+bool batch_invariant() { return g_batch_invariant.load(std::memory_order_relaxed) != 0; }
 
-// Decode GEMV; it also zeroes zero[0, 4 * zero_n4).
-void launch_logits_gemv(const __nv_bfloat16* x, const float* w, float* logits, int T, int D, int E, float* zero,
-                        int zero_n4, cudaStream_t stream) {
+// The router GEMV for small batches (its rounding differs from the tensor-core logits' kernel).
+bool gemv_logits_apply(int T, int D) { return !batch_invariant() && T <= kGemvMaxTokens && D % 4 == 0; }
+
+void launch_logits_gemv(const __nv_bfloat16* x, const float* w, float* logits, int T, int D, int E,
+                        cudaStream_t stream) {
   const unsigned experts = (E + kGemvExperts - 1) / kGemvExperts;
   if (T == 1) {
-    router_logits_gemv_kernel<1><<<experts, 32 * kGemvWarps, 0, stream>>>(x, w, logits, T, D, E, zero, zero_n4);
+    router_logits_gemv_kernel<1><<<experts, 32 * kGemvWarps, 0, stream>>>(x, w, logits, T, D, E);
   } else if (T <= 4) {
-    router_logits_gemv_kernel<4><<<experts, 32 * kGemvWarps, 0, stream>>>(x, w, logits, T, D, E, zero, zero_n4);
+    router_logits_gemv_kernel<4><<<experts, 32 * kGemvWarps, 0, stream>>>(x, w, logits, T, D, E);
   } else {
-    router_logits_gemv_kernel<8><<<dim3(experts, (T + 7) / 8), 32 * kGemvWarps, 0, stream>>>(x, w, logits, T, D, E,
-                                                                                            zero, zero_n4);
+    router_logits_gemv_kernel<8><<<dim3(experts, (T + 7) / 8), 32 * kGemvWarps, 0, stream>>>(x, w, logits, T, D, E);
   }
 }
 
 // Prefill batches that take the tensor-core logits and the warp select, which then also zero
-// and fill the per-expert counts and zero the combine buffer (SelectExtras).
+// and fill the per-expert counts (SelectExtras).
 bool route_folds(int T, int D, int E, int k, int G) {
   return !gemv_logits_apply(T, D) && D % 8 == 0 && warp_select_applies(E, k, G);
 }
@@ -98,7 +108,7 @@ bool route_folds(int T, int D, int E, int k, int G) {
 int launch_logits(const __nv_bfloat16* x, const float* w, float* logits, int T, int D, int E, int* zero_counts,
                   int zero_n, cudaStream_t stream) {
   if (gemv_logits_apply(T, D)) {
-    launch_logits_gemv(x, w, logits, T, D, E, nullptr, 0, stream);
+    launch_logits_gemv(x, w, logits, T, D, E, stream);
   } else if (D % 8 == 0) {
     const cudaError_t err = cudaFuncSetAttribute(router_logits_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  kRtSmemBytes);
@@ -136,7 +146,7 @@ int launch_route(const void* x, const float* router_weight, const float* bias, f
                                 stream);
   if (err != cudaSuccess) return err;
   launch_select(logits, bias, topk_ids, topk_weights, T, RouteParams{E, k, G, topk_group, scoring, renormalize, scale},
-                fold != nullptr ? *fold : SelectExtras{nullptr, 0, 0, nullptr, 0}, stream);
+                fold != nullptr ? *fold : SelectExtras{nullptr, 0, 0}, stream);
   return cudaGetLastError();
 }
 
@@ -153,7 +163,7 @@ struct MoeArgs {
   cudaStream_t stream;
 };
 
-// The decode chain's later kernels (select + schedule, the two GEMVs, the rounding): launched
+// The decode chain's later kernels (select + schedule, the two GEMVs, the combine): launched
 // as programmatic dependents of the kernel before them (pdl.cuh), so their CTAs are resident
 // when it completes instead of being launched then (bf16 T = 1: ~3 µs of 316).
 template <typename... Params, typename... Args>
@@ -176,7 +186,7 @@ void launch_decode(const MoeArgs& a, const Workspace& w, int tiles) {
   launch_dependent(gate_up_decode_kernel<kMxfp4, kTiles>, dim3(tiles, a.I / kDecodeFeatures), dim3(kDecodeThreads),
                    a.stream, static_cast<const __nv_bfloat16*>(a.z), a.w13, w.h, w.schedule, a.L, a.I, a.act);
   launch_dependent(down_decode_kernel<kMxfp4, kTiles>, dim3(tiles, a.L / kDecodeFeatures), dim3(kDecodeThreads),
-                   a.stream, static_cast<const __nv_bfloat16*>(w.h), a.w2, w.acc, w.schedule, a.L, a.I);
+                   a.stream, static_cast<const __nv_bfloat16*>(w.h), a.w2, w.part, w.schedule, a.L, a.I);
 }
 
 template <bool kMxfp4>
@@ -193,31 +203,30 @@ int moe_forward(const MoeArgs& a) {
   // Few rows per expert (at most kDecodeMaxRows on average): the weight-streaming decode GEMMs,
   // 8-row tiles when T <= 8 (no expert can get more), else 16; otherwise the tiled GEMMs, whose
   // 128-row (wgmma) or 64-row (mma.sync, sizes the wgmma tiles do not divide) tiles reuse each
-  // weight tile across tokens.
-  const bool decode = assignments <= kDecodeMaxRows * a.El;
+  // weight tile across tokens. Batch-invariant mode: the tiled GEMMs for every T (their k order
+  // and epilogue differ from the decode GEMMs').
+  const bool decode = !batch_invariant() && assignments <= kDecodeMaxRows * a.El;
   const bool wgmma = !decode && wgmma_tiles_fit(a.L, a.I);
   const int bm = wgmma ? kWgBM : !decode ? BM : a.T <= 8 ? 8 : 16;
   int err = cudaSuccess;
   if (gemv_logits_apply(a.T, a.D) && decode_route_applies(a.T, a.E, a.k, a.G)) {
-    // Decode: the router GEMV also zeroes the combine buffer (T * L, L % 64 == 0), and one CTA
-    // selects, counts, scans and scatters: two launches instead of seven (and two memsets).
+    // Decode: the router GEMV, then one CTA selects, counts, scans and scatters: two launches
+    // where the prefill path has five and a memset.
     const RouteParams p{a.E, a.k, a.G, a.topk_group, a.scoring, a.renormalize, a.scale};
-    launch_logits_gemv(static_cast<const __nv_bfloat16*>(a.x), a.router_weight, w.logits, a.T, a.D, a.E, w.acc,
-                       a.T * a.L / 4, st);
+    launch_logits_gemv(static_cast<const __nv_bfloat16*>(a.x), a.router_weight, w.logits, a.T, a.D, a.E, st);
     with_experts_per_lane(a.E, [&](auto per_lane) {
       launch_dependent(route_schedule_kernel<decltype(per_lane)::value>, dim3(1), dim3(kScanThreads), st,
                        static_cast<const float*>(w.logits), a.bias, p, a.T, a.offset, a.El, bm, s);
     });
   } else {
     const bool fold = route_folds(a.T, a.D, a.E, a.k, a.G);
-    const SelectExtras extras{s.counts, a.offset, a.El, w.acc, a.L};
+    const SelectExtras extras{s.counts, a.offset, a.El};
     err = launch_route(a.x, a.router_weight, a.bias, w.logits, w.topk_ids, w.topk_weights, a.T, a.D, a.E, a.k, a.G,
                        a.topk_group, a.scoring, a.renormalize, a.scale, st, fold ? &extras : nullptr);
     if (err != cudaSuccess) return err;
     const int blocks = (assignments + 255) / 256;
     if (!fold) {
       cudaMemsetAsync(s.counts, 0, a.El * sizeof(int), st);
-      cudaMemsetAsync(w.acc, 0, (size_t)a.T * a.L * sizeof(float), st);
       count_kernel<<<blocks, 256, 0, st>>>(w.topk_ids, assignments, a.offset, a.El, s.counts);
     }
     schedule_kernel<<<1, kScanThreads, 0, st>>>(s, a.El, bm);
@@ -237,22 +246,22 @@ int moe_forward(const MoeArgs& a) {
   } else if (wgmma) {
     const WgParams gate_up{z, a.w13, s, a.L, a.I / (kWgBN / 2), 2 * (int64_t)a.I, a.I - kWgBN / 2, a.I, w.h, nullptr,
                            a.act};
-    const WgParams down{w.h, a.w2, s, a.I, a.L / kWgBN, a.L, 0, a.L, nullptr, w.acc, a.act};
+    const WgParams down{w.h, a.w2, s, a.I, a.L / kWgBN, a.L, 0, a.L, nullptr, w.part, a.act};
     err = launch_routed_gemm_wgmma<kMxfp4, true>(gate_up, tiles, st);
     if (err != cudaSuccess) return err;
     err = launch_routed_gemm_wgmma<kMxfp4, false>(down, tiles, st);
     if (err != cudaSuccess) return err;
   } else {
     gate_up_kernel<kMxfp4><<<dim3(tiles, a.I / BN), kGemmThreads, 0, st>>>(z, a.w13, w.h, s, a.L, a.I, a.act);
-    down_kernel<kMxfp4><<<dim3(tiles, a.L / BN), kGemmThreads, 0, st>>>(w.h, a.w2, w.acc, s, a.L, a.I);
+    down_kernel<kMxfp4><<<dim3(tiles, a.L / BN), kGemmThreads, 0, st>>>(w.h, a.w2, w.part, s, a.L, a.I);
   }
-  const int64_t n = (int64_t)a.T * a.L;
-  const dim3 round_grid((unsigned)((n / 2 + 255) / 256 + 1));
+  const dim3 combine_grid((unsigned)((int64_t)a.T * ((a.L / 4 + kCombineThreads - 1) / kCombineThreads)));
+  auto* out = static_cast<__nv_bfloat16*>(a.out);
   if (decode) {
-    launch_dependent(round_to_bf16_kernel, round_grid, dim3(256), st, static_cast<const float*>(w.acc),
-                     static_cast<__nv_bfloat16*>(a.out), n);
+    launch_dependent(combine_kernel, combine_grid, dim3(kCombineThreads), st, static_cast<const float*>(w.part),
+                     static_cast<const int*>(s.slot_row), out, a.L, a.k);
   } else {
-    round_to_bf16_kernel<<<round_grid, 256, 0, st>>>(w.acc, static_cast<__nv_bfloat16*>(a.out), n);
+    combine_kernel<<<combine_grid, kCombineThreads, 0, st>>>(w.part, s.slot_row, out, a.L, a.k);
   }
   return cudaGetLastError();
 }
@@ -260,6 +269,10 @@ int moe_forward(const MoeArgs& a) {
 }  // namespace
 
 extern "C" {
+
+void k3_moe_set_batch_invariant(int enabled) { g_batch_invariant.store(enabled != 0, std::memory_order_relaxed); }
+
+int k3_moe_batch_invariant(void) { return batch_invariant() ? 1 : 0; }
 
 int k3_moe_supported(int num_experts, int num_local_experts, int top_k, int num_expert_group, int latent,
                      int inter) {

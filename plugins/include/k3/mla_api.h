@@ -9,6 +9,14 @@
 extern "C" {
 #endif
 
+// Batch-invariant mode (process-wide, default 0): the absorbed attention splits every
+// sequence's keys at fixed multiples of 256 instead of sizing the splits by the batch, and the
+// prefill always runs absorbed (the expanded form is chosen by the batch's tokens per sequence
+// and passes over the whole batch's keys), so a sequence's output bits do not depend on the
+// rest of the batch (up to 256 K keys; beyond, the split doubles with the batch's block-table
+// width). Read by every call, workspace sizes too.
+void k3_mla_set_batch_invariant(int enabled);
+
 // Workspace bytes of k3_mla_decode, and enough for k3_mla_prefill too (the expanded prefill
 // fits its key passes into what it is given, else the prefill runs absorbed).
 size_t k3_mla_workspace_size(int num_tokens, int num_heads, int kv_lora_rank, int max_blocks, int block_size);

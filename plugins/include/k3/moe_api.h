@@ -12,6 +12,16 @@
 extern "C" {
 #endif
 
+// Every launcher is deterministic: the same inputs give the same output bits on every run (the
+// combine sums each token's expert slots in slot order; no floating-point atomics).
+// Batch-invariant mode (process-wide, default 0): a token's output bits also do not depend on
+// the other tokens of the call, because the kernels are then chosen by the sizes alone (the
+// tensor-core router logits and the tiled expert GEMMs for every token count, where the
+// default takes the router GEMV and the weight-streaming decode GEMMs for small batches).
+// Costs decode speed: bench/results/determinism_h200.json. Read at each launch.
+void k3_moe_set_batch_invariant(int enabled);
+int k3_moe_batch_invariant(void);
+
 // 1 when the kernels are built for these sizes (callers fall back to the reference otherwise):
 // latent and inter multiples of 64, num_experts <= 1024, num_local_experts <= 1024,
 // top_k <= num_experts, at most 32 expert groups when grouping applies.

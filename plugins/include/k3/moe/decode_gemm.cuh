@@ -220,15 +220,15 @@ __global__ void __launch_bounds__(kDecodeThreads, decode_min_blocks(kTiles)) gat
     }
 }
 
-// grid (max tiles of 8·kTiles rows, L / kDecodeFeatures): acc[token(row)] += weight(row) · h[row] · w2ᵀ,
-// one fp32 atomic per element and routed expert (order varies; fp32 rounding of the sum).
+// grid (max tiles of 8·kTiles rows, L / kDecodeFeatures): part[row] = weight(row) · h[row] · w2ᵀ in
+// fp32, one partial row per (token, slot) assignment; combine_kernel sums them in slot order.
 template <bool kMxfp4, int kTiles>
 __global__ void __launch_bounds__(kDecodeThreads, decode_min_blocks(kTiles)) down_decode_kernel(const __nv_bfloat16* __restrict__ h,
-                                                                     ExpertWeights w2, float* __restrict__ acc_out,
+                                                                     ExpertWeights w2, float* __restrict__ part,
                                                                      Schedule s, int L, int I) {
   __shared__ uint32_t table[kMxfp4 ? kMxfp4TableWords : 1];
   pdl_launch_dependents();
-  pdl_wait();  // the schedule, h and the zeroed acc come from the kernels before
+  pdl_wait();  // the schedule and h come from the kernels before
   TileInfo t;
   if (!tile_info(s, 8 * kTiles, t)) return;
   const int f0 = blockIdx.y * kDecodeFeatures + threadIdx.x / 32 * 16;
@@ -243,7 +243,7 @@ __global__ void __launch_bounds__(kDecodeThreads, decode_min_blocks(kTiles)) dow
       const FragmentPos p = fragment_pos(i, c);
       if (p.row < t.rows) {
         const int row = t.row0 + p.row;
-        atomicAdd(acc_out + (int64_t)s.sorted_token[row] * L + f0 + p.feature, s.sorted_weight[row] * acc[0][i][c]);
+        part[(int64_t)row * L + f0 + p.feature] = s.sorted_weight[row] * acc[0][i][c];
       }
     }
 }

@@ -19,7 +19,7 @@ __host__ __device__ inline bool decode_route_applies(int T, int num_experts, int
 
 // One CTA of kScanThreads threads; T <= kDecodeRouteMaxTokens, num_local_experts <= kScanThreads,
 // E <= 32 * kPerLane, top_k <= kWarpSelectMaxK. Row order inside an expert follows shared
-// atomics (as scatter_kernel); each row's GEMM result does not depend on it.
+// atomics (as scatter_kernel); no output bit depends on it (permute.cuh).
 template <int kPerLane>
 __global__ void __launch_bounds__(kScanThreads, 1) route_schedule_kernel(const float* __restrict__ logits,
                                                                       const float* __restrict__ bias, RouteParams p,
@@ -56,10 +56,14 @@ __global__ void __launch_bounds__(kScanThreads, 1) route_schedule_kernel(const f
   __syncthreads();
   for (int i = tid; i < assignments; i += kScanThreads) {
     const int local = ids[i] - expert_offset;
-    if (local < 0 || local >= num_local_experts) continue;
+    if (local < 0 || local >= num_local_experts) {
+      s.slot_row[i] = -1;
+      continue;
+    }
     const int pos = first_row[local] + atomicAdd(&fill[local], 1);
     s.sorted_token[pos] = i / k;
     s.sorted_weight[pos] = weights[i];
+    s.slot_row[i] = pos;
   }
 }
 

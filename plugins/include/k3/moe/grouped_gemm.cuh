@@ -1,6 +1,7 @@
 // Grouped GEMMs of the routed experts on mma.sync m16n8k16 (bf16 in, fp32 accumulate).
 //   gate_up: h[r, :] = glu(z[token(r)] · w1[e]ᵀ, z[token(r)] · w3[e]ᵀ), fp32 epilogue, h rounded to bf16
-//   down:    acc[token(r), :] += weight(r) · (h[r] · w2[e]ᵀ), fp32 atomics
+//   down:    part[r, :] = weight(r) · (h[r] · w2[e]ᵀ) in fp32, one row per (token, slot) assignment
+//   combine: out[t, :] = bf16(Σ_slot part[slot_row(t, slot), :]), summed in slot order
 // CTA tile: BM = 64 sorted rows of one expert x BN = 64 output columns (gate_up: 64 gate and
 // the matching 64 up columns), BK = 32, 4 warps of 32 x 32, 3-stage cp.async pipeline.
 // MXFP4 weights (W4A16): the packed bytes go through cp.async into a staging buffer and are
@@ -237,11 +238,10 @@ __global__ void __launch_bounds__(kGemmThreads) gate_up_kernel(const __nv_bfloat
     }
 }
 
-// grid (max M tiles, L / BN). Each output element gets one fp32 atomic per routed expert;
-// their order varies from run to run (differences within fp32 rounding of the sum).
+// grid (max M tiles, L / BN).
 template <bool kMxfp4>
 __global__ void __launch_bounds__(kGemmThreads) down_kernel(const __nv_bfloat16* __restrict__ h, ExpertWeights w2,
-                                                            float* __restrict__ acc_out, Schedule s, int L, int I) {
+                                                            float* __restrict__ part, Schedule s, int L, int I) {
   __shared__ __align__(16) SmemTiles<1, kMxfp4> sm;
   TileInfo t;
   if (!tile_info(s, BM, t)) return;
@@ -260,25 +260,48 @@ __global__ void __launch_bounds__(kGemmThreads) down_kernel(const __nv_bfloat16*
       if (r >= t.rows) continue;
       const int p = t.row0 + r;
       const float weight = s.sorted_weight[p];
-      float* out_row = acc_out + (int64_t)s.sorted_token[p] * L + n0;
+      float* out_row = part + (int64_t)p * L + n0;
 #pragma unroll
       for (int ni = 0; ni < 4; ++ni) {
         const int c = wn * 32 + ni * 8 + 2 * (lane % 4);
-        atomicAdd(out_row + c, weight * acc[0][mi][ni][2 * half]);
-        atomicAdd(out_row + c + 1, weight * acc[0][mi][ni][2 * half + 1]);
+        *reinterpret_cast<float2*>(out_row + c) =
+            make_float2(weight * acc[0][mi][ni][2 * half], weight * acc[0][mi][ni][2 * half + 1]);
       }
     }
 }
 
-__global__ void round_to_bf16_kernel(const float* __restrict__ acc, __nv_bfloat16* __restrict__ out, int64_t n) {
-  pdl_wait();  // acc, when launched as a programmatic dependent (decode)
-  const int64_t i = 2 * ((int64_t)blockIdx.x * blockDim.x + threadIdx.x);
-  if (i + 1 < n) {
-    const float2 v = *reinterpret_cast<const float2*>(acc + i);
-    *reinterpret_cast<__nv_bfloat162*>(out + i) = __floats2bfloat162_rn(v.x, v.y);
-  } else if (i < n) {
-    out[i] = __float2bfloat16_rn(acc[i]);
+// The combine: out[t, :] = bf16(Σ_j part[slot_row[t·k + j], :]), j = 0..k-1 in order, slots
+// whose expert is not local skipped. The sum of each token's slots in one fixed order makes the
+// output the same bits whatever order the GEMM CTAs ran in (fp32 atomics into one row did not).
+// grid T · ceil(L / (4 · kCombineThreads)); L % 4 == 0. One fp32 rounding of each product (as
+// the atomics had), the slot sum in fp32, one rounding to bf16.
+constexpr int kCombineThreads = 128, kCombineUnroll = 8;  // partial rows in flight per thread
+__global__ void __launch_bounds__(kCombineThreads) combine_kernel(const float* __restrict__ part,
+                                                                  const int* __restrict__ slot_row,
+                                                                  __nv_bfloat16* __restrict__ out, int L, int k) {
+  pdl_wait();  // part, when launched as a programmatic dependent (decode)
+  const int col_blocks = (L / 4 + kCombineThreads - 1) / kCombineThreads;
+  const int64_t t = blockIdx.x / col_blocks;
+  const int c4 = (blockIdx.x % col_blocks) * kCombineThreads + threadIdx.x;
+  if (4 * c4 >= L) return;
+  const int* rows = slot_row + t * k;
+  float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int j0 = 0; j0 < k; j0 += kCombineUnroll) {
+    float4 v[kCombineUnroll];
+    bool have[kCombineUnroll];
+#pragma unroll
+    for (int u = 0; u < kCombineUnroll; ++u) {
+      const int r = j0 + u < k ? rows[j0 + u] : -1;
+      have[u] = r >= 0;
+      if (have[u]) v[u] = __ldcs(reinterpret_cast<const float4*>(part + (int64_t)r * L) + c4);  // read once
+    }
+#pragma unroll
+    for (int u = 0; u < kCombineUnroll; ++u)
+      if (have[u]) sum.x += v[u].x, sum.y += v[u].y, sum.z += v[u].z, sum.w += v[u].w;
   }
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(sum.x, sum.y), hi = __floats2bfloat162_rn(sum.z, sum.w);
+  reinterpret_cast<uint2*>(out + t * L)[c4] =
+      make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
 }
 
 }  // namespace moe

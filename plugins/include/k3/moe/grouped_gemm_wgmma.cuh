@@ -1,7 +1,7 @@
 // Grouped GEMMs of the routed experts for prefill-sized batches on Hopper warpgroup MMAs
 // (wgmma, sm_90a), same math as grouped_gemm.cuh:
 //   gate_up: h[r, :] = glu(z[token(r)] · w1[e]ᵀ, z[token(r)] · w3[e]ᵀ), h rounded to bf16
-//   down:    acc[token(r), :] += weight(r) · (h[r] · w2[e]ᵀ), fp32 vector atomics
+//   down:    part[r, :] = weight(r) · (h[r] · w2[e]ᵀ) in fp32 (combine_kernel sums a token's slots)
 //
 // CTA: 128 sorted rows of one expert x 256 weight rows (gate_up: 128 gate rows and the
 // matching 128 up rows, so the GLU is an epilogue in registers; down: 256 output columns),
@@ -101,9 +101,9 @@ struct WgParams {
   int n_tiles;              // weight tiles per expert: I / 128 (gate_up) or L / 256 (down)
   int64_t rows_per_expert;  // weight rows of one expert: 2I or L
   int mat_gap;              // gate_up: weight rows between gate row n0+127 and up row I+n0, minus 1
-  int out_cols;             // I (h) or L (acc)
+  int out_cols;             // I (h) or L (part)
   __nv_bfloat16* h;
-  float* acc;
+  float* part;              // down: [T*k, L], one row per sorted row
   GluParams act;
 };
 
@@ -320,14 +320,14 @@ __global__ void __launch_bounds__(kWgThreads, 1) routed_gemm_wgmma_kernel(const 
     }
   } else {
     // Lane pairs (2c, 2c+1) swap halves so that the even lane holds row r_lo, columns 4c'..4c'+3
-    // (c' = c / 2 within the 8-column group) and the odd lane row r_lo + 8: one float4 atomic
+    // (c' = c / 2 within the 8-column group) and the odd lane row r_lo + 8: one float4 store
     // per 4 outputs.
     const bool odd = lane & 1;
     const int r = r_lo + (odd ? 8 : 0);
     const bool valid = r < t.rows;
     const int p_row = t.row0 + (valid ? r : 0);
     const float weight = valid ? p.s.sorted_weight[p_row] : 0.f;
-    float* out = p.acc + (int64_t)p.s.sorted_token[p_row] * p.out_cols + t.n_tile * kWgBN + 2 * ((lane % 4) & ~1);
+    float* out = p.part + (int64_t)p_row * p.out_cols + t.n_tile * kWgBN + 2 * ((lane % 4) & ~1);
 #pragma unroll
     for (int c8 = 0; c8 < 32; ++c8) {
       const float* v = acc + 4 * c8;
@@ -335,8 +335,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) routed_gemm_wgmma_kernel(const 
       const float o0 = __shfl_xor_sync(0xffffffffu, s0, 1), o1 = __shfl_xor_sync(0xffffffffu, s1, 1);
       const float4 x = odd ? make_float4(o0, o1, v[2], v[3]) : make_float4(v[0], v[1], o0, o1);
       if (valid)
-        atomicAdd(reinterpret_cast<float4*>(out + 8 * c8),
-                  make_float4(weight * x.x, weight * x.y, weight * x.z, weight * x.w));
+        *reinterpret_cast<float4*>(out + 8 * c8) = make_float4(weight * x.x, weight * x.y, weight * x.z, weight * x.w);
     }
   }
 }

@@ -17,6 +17,7 @@ struct Schedule {
   int* num_tiles;       // [1]
   int* sorted_token;    // [T*k] token of each sorted row
   float* sorted_weight; // [T*k] routing weight of each sorted row
+  int* slot_row;        // [T*k] sorted row of assignment (token, slot), -1 where its expert is not local
 };
 
 // Upper bound on the M tiles: every expert's partial tile plus the full ones.
@@ -90,16 +91,23 @@ __global__ void __launch_bounds__(kScanThreads) schedule_kernel(Schedule s, int 
   if (e < num_local_experts) s.fill[e] = 0;
 }
 
-// Row order inside an expert depends on atomic timing; each row's GEMM result does not.
+// Row order inside an expert depends on atomic timing; no output bit does: a row's GEMM
+// results do not depend on the other rows of its tile or on its place there (every MMA output
+// element is its own dot product), and the combine finds a token's rows through slot_row and
+// sums them in slot order.
 __global__ void scatter_kernel(const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
                                int assignments, int top_k, int expert_offset, int num_local_experts, Schedule s) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= assignments) return;
   const int local = topk_ids[i] - expert_offset;
-  if (local < 0 || local >= num_local_experts) return;
+  if (local < 0 || local >= num_local_experts) {
+    s.slot_row[i] = -1;
+    return;
+  }
   const int pos = s.offsets[local] + atomicAdd(&s.fill[local], 1);
   s.sorted_token[pos] = i / top_k;
   s.sorted_weight[pos] = topk_weights[i];
+  s.slot_row[i] = pos;
 }
 
 }  // namespace moe

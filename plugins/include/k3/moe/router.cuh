@@ -95,21 +95,16 @@ __device__ __forceinline__ float warp_max(float v) {
 // handful of CTAs the whole D loop. A CTA owns kGemvExperts expert rows, each split over
 // kGemvSplit warps (interleaved 16-byte chunks of the fp32 row), and kTokens tokens; the
 // warps' partial sums meet in shared memory in a fixed order (deterministic logits).
-// grid (ceil(E / kGemvExperts), ceil(T / kTokens)); D % 4 == 0. The grid also zeroes
-// zero[0, 4 * zero_n4) (the decode path's combine buffer), which saves a memset node.
+// grid (ceil(E / kGemvExperts), ceil(T / kTokens)); D % 4 == 0.
 constexpr int kGemvWarps = 8, kGemvSplit = 8, kGemvExperts = kGemvWarps / kGemvSplit, kGemvMaxTokens = 64;
 
 template <int kTokens>
 __global__ void __launch_bounds__(32 * kGemvWarps) router_logits_gemv_kernel(const __nv_bfloat16* __restrict__ x,
                                                                            const float* __restrict__ w,
                                                                            float* __restrict__ logits, int T,
-                                                                           int D, int E, float* __restrict__ zero,
-                                                                           int zero_n4) {
+                                                                           int D, int E) {
   __shared__ float partial[kGemvWarps][kTokens];
   pdl_launch_dependents();  // the decode chain's select kernel may get resident meanwhile
-  const int cta = blockIdx.y * gridDim.x + blockIdx.x, ctas = gridDim.x * gridDim.y;
-  for (int i = cta * blockDim.x + threadIdx.x; i < zero_n4; i += ctas * blockDim.x)
-    reinterpret_cast<float4*>(zero)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, part = warp % kGemvSplit;
   const int e = blockIdx.x * kGemvExperts + warp / kGemvSplit, t0 = blockIdx.y * kTokens;
   float acc[kTokens] = {};
@@ -335,15 +330,12 @@ __device__ __forceinline__ void warp_select_token(const float* __restrict__ row,
 
 constexpr int kWarpSelectWarps = 8;
 
-// What the prefill path folds into the select kernel (all optional, nullptr = skip): count the
+// What the prefill path folds into the select kernel (optional, nullptr = skip): count the
 // token's assignments to local experts [expert_offset, + num_local_experts) into counts
-// (zeroed by the logits kernel), and zero the token's row of `rows` (row_len floats, % 4 == 0:
-// the fp32 combine buffer). Saves the count kernel and a memset.
+// (zeroed by the logits kernel). Saves the count kernel.
 struct SelectExtras {
   int* counts;
   int expert_offset, num_local_experts;
-  float* rows;
-  int row_len;
 };
 
 // One warp per token; grid ceil(T / kWarpSelectWarps).
@@ -356,10 +348,6 @@ __global__ void __launch_bounds__(32 * kWarpSelectWarps) router_select_warp_kern
                                                                                   SelectExtras x) {
   const int t = blockIdx.x * kWarpSelectWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (t >= T) return;  // warp-uniform
-  if (x.rows != nullptr) {
-    float4* row = reinterpret_cast<float4*>(x.rows + (size_t)t * x.row_len);
-    for (int i = lane; i < x.row_len / 4; i += 32) row[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  }
   int id;
   float weight;
   warp_select_token<kPerLane>(logits + (size_t)t * p.num_experts, bias, p, id, weight);

@@ -1,0 +1,90 @@
+"""TorchExecutor's CUDA-graph decode (issue 20 item 2) on the shipped tiny K3: every decode
+step, replayed from a graph, gives bitwise the logits and caches that the eager step at the
+same (padded) block-table width gives from the same caches; the first step of a shape runs
+eagerly and captures, later ones replay; prefill and mixed steps never touch a graph.
+
+Skipped without CUDA or without the kernel library (build_scripts/build_kernels.sh)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3_trtllm.kernels import library_path
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "examples" / "tiny-k3"
+BS = 16
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(not library_path().exists(), reason=f"kernel library {library_path()} not built"),
+]
+
+
+def _pools(caches) -> dict[str, torch.Tensor]:
+    out = {f"latent[{i}]": t for i, t in caches.latent.items()}
+    out.update({f"conv[{i}]": t for i, t in caches.conv.items()})
+    out.update({f"recurrent[{i}]": t for i, t in caches.recurrent.items()})
+    return out
+
+
+def _differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    bits = {2: torch.int16, 4: torch.int32}
+    return [k for k in a if not torch.equal(a[k].view(bits[a[k].element_size()]), b[k].view(bits[b[k].element_size()]))]
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3])
+def test_decode_graph_replay_equals_the_eager_step_bitwise(num_seqs):
+    from k3_trtllm.model import build_step, load_model
+    from k3_trtllm.runtime.executor import TorchExecutor, pad_block_tables, padded_width
+    model = load_model(TINY, dtype=torch.bfloat16, device="cuda")
+    caches = model.allocate_caches(8 * num_seqs, BS, num_seqs)
+    eager = TorchExecutor(model, caches, "cuda", cuda_graphs=False)
+    graphs = TorchExecutor(model, caches, "cuda")
+    assert graphs.cuda_graphs  # the default on CUDA
+    gen = torch.Generator().manual_seed(num_seqs)
+    prompts = [torch.randint(3, 1024, (40,), generator=gen).tolist() for _ in range(num_seqs)]
+    lengths = [13 + 7 * i for i in range(num_seqs)]  # different contexts, one shared width bucket
+    tables = [list(range(8 * i, 8 * i + 8)) for i in range(num_seqs)]
+    graphs.execute(build_step([(p[:n], 0, i, t) for i, (p, n, t) in enumerate(zip(prompts, lengths, tables))], BS))
+    assert graphs.graphs == {}  # prefill stays eager
+    for d in range(5):
+        step = build_step([([p[n + d]], n + d, i, t[: (n + d) // BS + 1])
+                           for i, (p, n, t) in enumerate(zip(prompts, lengths, tables))], BS)
+        before = {k: t.clone() for k, t in _pools(caches).items()}
+        ref = eager.execute(pad_block_tables(step, padded_width(step.block_tables.shape[1])))
+        ref_pools = {k: t.clone() for k, t in _pools(caches).items()}
+        for k, t in _pools(caches).items():
+            t.copy_(before[k])
+        got = graphs.execute(step)
+        torch.cuda.synchronize()
+        assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), f"decode step {d}: logits differ"
+        assert _differing(ref_pools, _pools(caches)) == [], f"decode step {d}"
+    assert graphs.graph_replays >= 3 and len(graphs.graphs) <= 2
+
+
+def test_a_shape_whose_capture_fails_runs_eagerly_with_one_warning(monkeypatch):
+    """A capture that raises (an op that syncs inside it) must not end the run: that shape stays
+    eager, the logits are the eager ones, and no later step of that shape tries again."""
+    from k3_trtllm.model import build_step, load_model
+    from k3_trtllm.runtime import executor as executor_module
+    from k3_trtllm.runtime.executor import TorchExecutor
+    model = load_model(TINY, dtype=torch.bfloat16, device="cuda")
+    caches = model.allocate_caches(8, BS, 1)
+    graphs = TorchExecutor(model, caches, "cuda")
+    attempts = []
+
+    def failing_capture(*args, **kwargs):
+        attempts.append(args)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(executor_module, "_DecodeGraph", failing_capture)
+    graphs.execute(build_step([(list(range(3, 20)), 0, 0, list(range(8)))], BS))
+    with pytest.warns(RuntimeWarning, match="run eagerly"):
+        graphs.execute(build_step([([20], 17, 0, [0, 1])], BS))
+    for d in range(3):
+        logits = graphs.execute(build_step([([21 + d], 18 + d, 0, [0, 1])], BS))
+        assert torch.isfinite(logits).all()
+    assert len(attempts) == 1 and graphs.graphs == {} and graphs.graph_replays == 0
