@@ -7,7 +7,9 @@ runs ``k3-trt build --hf-config CONFIG --tp 8 --ep 8 OUT --builder none`` under
 ``--rtx`` does the same with ``--builder tensorrt-rtx``. CI machines have TensorRT-RTX's
 builder but not the TensorRT headers the C++ plugin library compiles against, so the RTX
 run registers the Python build-phase creators of ``tests/trt_creators.py`` (same names,
-fields, I/O as the C++ plugins; the builder never calls enqueue). The monolithic build's
+fields, I/O as the C++ plugins; the builder never calls enqueue); ``--plugin-lib
+build/libk3_trt_plugins.so`` (``build_scripts/build_plugins.sh`` against fetched TensorRT
+headers) builds the plans with the C++ plugin library instead. The monolithic build's
 figures of DESIGN §10 (measured 2026-12-01, tiny width) go beside them for comparison."""
 from __future__ import annotations
 
@@ -64,10 +66,12 @@ def _files(out: Path) -> dict:
     return {"engine_mb": round(sum(sizes.values()) / 2**20, 3), "files": sizes}
 
 
-def run(config: Path, tp: int, ep: int, builder: str, work: Path) -> dict:
+def run(config: Path, tp: int, ep: int, builder: str, work: Path, plugin_lib: Path | None = None) -> dict:
     out = work / f"k3-tp{tp}-ep{ep}-{builder}"
     args = ["build", "--hf-config", str(config), "--tp", str(tp), "--ep", str(ep), str(out), "--builder", builder]
-    cmd = ([sys.executable, __file__, "--child-rtx", *args] if builder == "tensorrt-rtx"
+    if plugin_lib is not None:
+        args += ["--plugin-lib", str(plugin_lib)]
+    cmd = ([sys.executable, __file__, "--child-rtx", *args] if builder == "tensorrt-rtx" and plugin_lib is None
            else [sys.executable, "-c", "from k3_trtllm.cli import main; main()", *args])
     shown = " ".join(a if a != str(out) else "OUT" for a in args)
     result = {"command": f"k3-trt {shown}", **_timed(cmd), **_files(out)}
@@ -76,7 +80,8 @@ def run(config: Path, tp: int, ep: int, builder: str, work: Path) -> dict:
     result["segments"] = [s["kind"] for s in engine["segments"]]
     result["layers"], result["ranks"] = len(engine["layers"]), len(engine["ranks"])
     if builder == "tensorrt-rtx":
-        result["plugins"] = "Python build-phase creators (tests/trt_creators.py), not the C++ library"
+        result["plugins"] = (f"the C++ plugin library ({plugin_lib.name})" if plugin_lib is not None
+                             else "Python build-phase creators (tests/trt_creators.py), not the C++ library")
     result["within_goals"] = {k: result[k] <= v for k, v in GOALS.items()}
     return result
 
@@ -89,13 +94,16 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--ep", type=int, default=8)
     ap.add_argument("--rtx", action="store_true", help="also build the plans with TensorRT-RTX")
+    ap.add_argument("--plugin-lib", type=Path, default=None,
+                    help="with --rtx: the C++ plugin library instead of the Python creators")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as work:
         report = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "goals": GOALS,
                   "segmented": {"none": run(a.config, a.tp, a.ep, "none", Path(work))}, "monolithic": MONOLITHIC}
         if a.rtx:
-            report["segmented"]["tensorrt-rtx"] = run(a.config, a.tp, a.ep, "tensorrt-rtx", Path(work))
+            report["segmented"]["tensorrt-rtx"] = run(a.config, a.tp, a.ep, "tensorrt-rtx", Path(work),
+                                                      a.plugin_lib and a.plugin_lib.resolve())
     text = json.dumps(report, indent=2) + "\n"
     if a.out:
         a.out.write_text(text)

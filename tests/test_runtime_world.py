@@ -23,11 +23,14 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from click.testing import CliRunner
 from helpers import live_processes
 
@@ -36,9 +39,11 @@ from k3_trtllm.cli.bench import bench as bench_command
 from k3_trtllm.convert import convert_checkpoint
 from k3_trtllm.model import build_step
 from k3_trtllm.model.parallel import shard_hf_checkpoint
-from k3_trtllm.model.step import pack_step, step_shapes, unpack_step
+from k3_trtllm.model.step import PACKED_SHAPE_LEN, pack_step, step_shapes, unpack_step
+from k3_trtllm.runtime.distributed import TIMEOUT_ENV, BroadcastExecutor
 from k3_trtllm.runtime.engine import build_engine
 from k3_trtllm.runtime.sampling import SamplingParams
+from k3_trtllm.utils.net import free_port
 
 K3_TRT = str(Path(sys.executable).with_name("k3-trt"))
 PROMPTS = [torch.randint(3, 1024, (3 + 5 * (i % 8),), generator=torch.Generator().manual_seed(i)).tolist()
@@ -252,3 +257,36 @@ def test_bench_reports_the_step_broadcast_cost_at_256_sequences(tp2_checkpoint):
     assert cost["payload_bytes"] == 4 * (3 * t + (b + 1) + 4 * b + b * 4)
     assert (cost["running_sequences"], cost["blocks_per_sequence"], cost["world_size"]) == (256, 4, 2)
     assert 0 < cost["ms_per_step"] < 1000
+
+
+def _header_worker(rank: int, port: int, out: str) -> None:
+    os.environ[TIMEOUT_ENV] = "2"
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    control = dist.new_group(backend="gloo")
+    if rank == 1:  # a worker frozen before it posted its receive: it never takes the header
+        try:
+            store.wait(["done"], timedelta(seconds=60))
+        except Exception:
+            pass  # rank 0, which hosts the store, has already left
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        BroadcastExecutor._send_header(SimpleNamespace(group=SimpleNamespace(control=control)),
+                                       torch.zeros(1 + PACKED_SHAPE_LEN, dtype=torch.int32))
+        result = "sent"
+    except RuntimeError as e:
+        result = str(e)
+    Path(out).write_text(json.dumps({"result": result, "seconds": time.monotonic() - start}))
+    store.set("done", "1")
+    os._exit(0)  # the unreceived header stays pending: skip the group's teardown
+
+
+def test_rank0_does_not_wait_forever_on_a_header_nobody_receives(tmp_path):
+    """gloo sends once the receiver has posted: a worker frozen between steps must not hold rank 0
+    in the header broadcast (whose group has no practical timeout) beyond the step timeout."""
+    out = tmp_path / "out.json"
+    mp.start_processes(_header_worker, args=(free_port(), str(out)), nprocs=2, start_method="spawn")
+    got = json.loads(out.read_text())
+    assert got["result"] == "the step header was not received within 2 s"
+    assert 2 <= got["seconds"] < 5

@@ -75,15 +75,27 @@ def engine_dir_options(fn):
                              "one it was built for].")(fn)
 
 
-def _engine_dir_engine(model_dir: str, device: str, options: dict):
-    """``run ENGINE_DIR``: limits left at their defaults are the engine's, given ones must fit it."""
-    from k3_trtllm.trt.engine_executor import engine_dir_engine
-
+def engine_dir_settings(model_dir: str, options: dict) -> dict:
+    """The settings an engine dir takes from the command line (run, serve, triton-repo): those
+    the user gave, the rest None, so that the engine's own limits and dtype apply; given ones
+    must fit it. ``--tp/--ep`` (the engine fixes its mapping) and ``--batch-invariant`` (the
+    segments do not run the torch overrides it installs) are refused."""
     ctx = click.get_current_context()
     explicit = {k: (v if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT else None)
                 for k, v in options.items()}
     if explicit.pop("tp", None) is not None or explicit.pop("ep", None) is not None:
         raise click.ClickException(f"--tp/--ep: engine dir {model_dir} fixes its mapping; leave them out")
+    if explicit.pop("batch_invariant", None):
+        raise click.ClickException(f"--batch-invariant: not available for engine dirs ({model_dir}); "
+                                   "run the checkpoint it was built from")
+    return explicit
+
+
+def _engine_dir_engine(model_dir: str, device: str, options: dict):
+    """``run ENGINE_DIR``: limits left at their defaults are the engine's, given ones must fit it."""
+    from k3_trtllm.trt.engine_executor import engine_dir_engine
+
+    explicit = engine_dir_settings(model_dir, options)
     try:
         return engine_dir_engine(model_dir, device=device, **explicit)
     except (ValueError, OSError, RuntimeError) as e:
@@ -132,13 +144,10 @@ def build_engine_from_options(model_dir: str, *, dtype: str, device: str | None,
     device = resolve_device(device)
     set_torch_threads(threads)
     if is_segmented_engine_dir(model_dir):
-        if batch_invariant:
-            raise click.ClickException(f"--batch-invariant: not available for engine dirs ({model_dir}); "
-                                       "run the checkpoint it was built from")
         engine = _engine_dir_engine(model_dir, device, dict(
             dtype=dtype, block_size=block_size, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
             max_seq_len=max_seq_len, num_blocks=num_blocks, max_slots=max_slots, cache_memory_gb=cache_memory_gb,
-            seed=seed, tp=tp, ep=ep, checkpoint=checkpoint, plugin_lib=plugin_lib))
+            seed=seed, tp=tp, ep=ep, checkpoint=checkpoint, plugin_lib=plugin_lib, batch_invariant=batch_invariant))
         if engine is None:  # a torchrun rank other than 0: it served rank 0's steps
             raise click.exceptions.Exit(0)
         click.get_current_context().call_on_close(engine.close)

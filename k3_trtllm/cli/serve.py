@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from k3_trtllm.cli.run import engine_options, resolve_device, threads_option
+from k3_trtllm.cli.run import engine_dir_settings, engine_options, resolve_device, threads_option
 from k3_trtllm.utils.threads import child_thread_env
 
 
@@ -40,9 +40,15 @@ def _check_name(ctx, param, value):
 
 
 def _write_repo(model_dir, repo_dir, name, force=False, **settings) -> Path:
-    from k3_trtllm.serve.repository import write_model_repository
+    from k3_trtllm.serve.repository import ENGINE_PARAMETERS, write_model_repository
+    from k3_trtllm.trt.segment_layout import engine_limits, is_segmented_engine_dir
     from k3_trtllm.utils.atomic import OutputError, describe_os_error
 
+    if is_segmented_engine_dir(model_dir):  # the engine's own limits unless the user gave others
+        engine = engine_dir_settings(model_dir, {k: v for k, v in settings.items() if k in ENGINE_PARAMETERS})
+        if engine["max_batch_size"] is None:  # Triton's batch bound too
+            engine["max_batch_size"] = engine_limits(model_dir).get("max_batch_size")
+        settings = {**{k: v for k, v in settings.items() if k not in ENGINE_PARAMETERS}, **engine}
     try:
         return write_model_repository(model_dir, repo_dir, name=name, force=force, **settings)
     except (ValueError, OutputError) as e:

@@ -319,10 +319,24 @@ class BroadcastExecutor:
         shapes = step_shapes(step)
         header = torch.tensor([op, *shapes], dtype=torch.int32)
         try:
-            dist.broadcast(header, 0, group=self.group.control)
+            self._send_header(header)
             dist.broadcast(pack_step(step).to(self.group.payload_device), 0)
         except Exception as e:
             self._fail(e)
+
+    def _send_header(self, header: torch.Tensor) -> None:
+        """Broadcast a step header, bounded by the step timeout. gloo sends once the receiver
+        has posted its receive, and the header group has no practical timeout (idle workers
+        wait on it): a worker frozen before it posted would otherwise hold rank 0 forever."""
+        work = dist.broadcast(header, 0, group=self.group.control, async_op=True)
+        deadline = time.monotonic() + dist_timeout_s()
+        pause = 0.0
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the step header was not received within {dist_timeout_s():g} s")
+            time.sleep(pause)
+            pause = min(0.001, pause + 0.0001)  # usually posted already: the first checks are free
+        work.wait()  # raises what the broadcast hit, if anything
 
     def _fail(self, error: Exception):
         self._failure = str(_failure(self.group, f"in step {self.steps}",
@@ -351,10 +365,9 @@ class BroadcastExecutor:
         atexit.unregister(self.close)
         if self._clean and self._failure is None:
             try:
-                dist.broadcast(torch.tensor([OP_STOP] + [0] * PACKED_SHAPE_LEN, dtype=torch.int32), 0,
-                               group=self.group.control)
+                self._send_header(torch.tensor([OP_STOP] + [0] * PACKED_SHAPE_LEN, dtype=torch.int32))
             except Exception:
-                pass  # a worker is gone already: the ones left are ended below
+                self._clean = False  # a worker is gone or frozen: the ones left are ended below
         if self.group.workers:
             deadline = time.monotonic() + (STOP_GRACE_S if self._clean else 0)
             for p in self.group.workers:

@@ -121,8 +121,10 @@ def _escape(text: str) -> str:
     return "".join(out)
 
 
-def engine_kwargs_from_parameters(parameters: dict[str, str]) -> tuple[str, dict, dict]:
-    """config.pbtxt parameters -> (model_dir, build_engine kwargs, EngineLoop kwargs)."""
+def engine_kwargs_from_parameters(parameters: dict[str, str], engine_dir: bool = False) -> tuple[str, dict, dict]:
+    """config.pbtxt parameters -> (model_dir, build_engine kwargs, EngineLoop kwargs); for a
+    segmented ``engine_dir``, ``engine_dir_engine`` kwargs: only what the parameters give (the
+    engine's config supplies the rest), dtype as its name."""
     import torch
 
     if "model_dir" not in parameters:
@@ -146,11 +148,13 @@ def engine_kwargs_from_parameters(parameters: dict[str, str]) -> tuple[str, dict
             loop.update(file_drain(value))
         else:
             engine[key] = value
+    engine.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
+    if engine_dir:
+        return parameters["model_dir"], engine, loop
     dtype = getattr(torch, engine.get("dtype", "bfloat16"), None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"config.pbtxt parameter dtype={engine['dtype']!r} is not a torch dtype")
     engine["dtype"] = dtype
-    engine.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
     if "cache_memory_gb" not in engine and ("num_blocks" not in engine or "max_slots" not in engine):
         engine["cache_memory_gb"] = 2.0  # the same default as `k3-trt run`
     return parameters["model_dir"], engine, loop

@@ -95,6 +95,7 @@ class TritonLogHandler(logging.Handler):
 class TritonPythonModel:
     def initialize(self, args) -> None:
         from k3_trtllm.runtime.engine import build_engine
+        from k3_trtllm.trt.segment_layout import is_segmented_engine_dir
 
         package_log = logging.getLogger("k3_trtllm")
         package_log.addHandler(TritonLogHandler())
@@ -105,8 +106,14 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("the k3 model streams: set model_transaction_policy "
                                                 "{ decoupled: true } in config.pbtxt")
         parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        model_dir, engine_kwargs, loop_kwargs = engine_kwargs_from_parameters(parameters)
-        self.engine = build_engine(model_dir, **engine_kwargs)
+        engine_dir = is_segmented_engine_dir(parameters.get("model_dir", ""))
+        model_dir, engine_kwargs, loop_kwargs = engine_kwargs_from_parameters(parameters, engine_dir)
+        if engine_dir:  # `k3-trt build --layout segments`: the segments run on EngineExecutor
+            from k3_trtllm.trt.engine_executor import engine_dir_engine
+
+            self.engine = engine_dir_engine(model_dir, **engine_kwargs)
+        else:
+            self.engine = build_engine(model_dir, **engine_kwargs)
         self.metrics = EngineMetrics(args["model_name"])
         self.loop = EngineLoop(self.engine, on_stats=self.metrics.update, **loop_kwargs)
         self.loop.start()
