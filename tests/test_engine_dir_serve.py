@@ -10,13 +10,11 @@ import re
 import pytest
 from click.testing import CliRunner
 from test_triton_server import (  # noqa: F401  (the fixture and the test run here, on an engine dir)
-    START_TIMEOUT_S, STOP_TIMEOUT_S, TINY, leftover_processes, reference,
+    TINY, reference, running_server,
     test_concurrent_streams_equal_k3_trt_run_greedy_output)
 
 from k3_trtllm.cli import main
 from k3_trtllm.convert import convert_checkpoint
-from k3_trtllm.serve.server import TritonServer
-from k3_trtllm.utils.net import free_port
 
 # the limits of test_triton_server.ENGINE, which the reference run used
 BUILD = ["--layout", "segments", "--builder", "none", "--quiet", "--dtype", "float32", "--max-batch-size", "8",
@@ -43,15 +41,8 @@ def server(engine_dir, tmp_path_factory):
     # what the user gave, plus the engine's batch bound; not the CLI's defaults (bfloat16, block 16, ...)
     assert set(given) == {"model_dir", "max_batch_size", "num_blocks", "max_slots", "cancellation_check_period_ms"}
     assert given["max_batch_size"] == "8" and "max_batch_size: 8" in pbtxt
-    srv = TritonServer(work / "repo", work, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                       log_file=work / "server.log", exit_timeout_s=5)
-    srv.start()
-    try:
-        srv.wait_ready(START_TIMEOUT_S)
+    with running_server(work / "repo", work) as srv:
         yield srv
-    finally:
-        srv.stop(STOP_TIMEOUT_S)
-        assert not leftover_processes(srv), "processes left after stopping tritonserver"
 
 
 @pytest.mark.parametrize("option, message", [

@@ -8,26 +8,17 @@ from __future__ import annotations
 
 import pytest
 from test_triton_server import (  # noqa: F401  (the fixture and the tests run here, at world 2)
-    ENGINE, START_TIMEOUT_S, STOP_TIMEOUT_S, TINY, leftover_processes, reference,
+    ENGINE, TINY, leftover_processes, reference, running_server,
     test_cancelling_mid_stream_frees_the_requests_blocks_and_slot, test_concurrent_streams_equal_k3_trt_run_greedy_output,
     test_stop_is_bounded_and_leaves_no_process)
 
 from k3_trtllm.serve.repository import write_model_repository
-from k3_trtllm.serve.server import TritonServer
-from k3_trtllm.utils.net import free_port
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     work = tmp_path_factory.mktemp("triton-world2")
     write_model_repository(TINY, work / "repo", name="k3", cancellation_check_period_ms=10, tp=2, **ENGINE)
-    srv = TritonServer(work / "repo", work, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                       log_file=work / "server.log", exit_timeout_s=5)
-    srv.start()
-    try:
-        srv.wait_ready(START_TIMEOUT_S)
+    with running_server(work / "repo", work) as srv:
         assert any("multiprocessing.spawn" in p for p in leftover_processes(srv)), "no worker rank running"
         yield srv
-    finally:
-        srv.stop(STOP_TIMEOUT_S)
-        assert not leftover_processes(srv), "processes left after stopping tritonserver"

@@ -5,6 +5,7 @@ and stopping the server is bounded and leaves no process behind.
 
 The server starts once per module; if it cannot start, every test here fails (CI installs
 what it needs: see k3_trtllm/serve/server.py INSTALL_HINT)."""
+import contextlib
 import json
 import os
 import queue
@@ -43,11 +44,10 @@ def leftover_processes(server: TritonServer) -> list[str]:
     return live_processes((str(server.repo_dir), str(server.work_dir)), server.process.pid)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    work = tmp_path_factory.mktemp("triton")
-    write_model_repository(TINY, work / "repo", name="k3", cancellation_check_period_ms=10, **ENGINE)
-    srv = TritonServer(work / "repo", work, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+@contextlib.contextmanager
+def running_server(repo: Path, work: Path):
+    """tritonserver on ``repo`` (loopback ports), ready; stopped on exit, leaving no process."""
+    srv = TritonServer(repo, work, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                        log_file=work / "server.log", exit_timeout_s=5)
     srv.start()
     try:
@@ -56,6 +56,14 @@ def server(tmp_path_factory):
     finally:
         srv.stop(STOP_TIMEOUT_S)
         assert not leftover_processes(srv), "processes left after stopping tritonserver"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    work = tmp_path_factory.mktemp("triton")
+    write_model_repository(TINY, work / "repo", name="k3", cancellation_check_period_ms=10, **ENGINE)
+    with running_server(work / "repo", work) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
