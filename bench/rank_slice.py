@@ -851,24 +851,20 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
-    return v
+def _int_at_least(minimum: int):
+    """An argparse type: an integer >= ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected an integer") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= {minimum}")
+        return v
+    return parse
 
 
-def _non_negative(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 0")
-    return v
+_positive, _non_negative = _int_at_least(1), _int_at_least(0)
 
 
 def parse_args(argv=None):
