@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -22,26 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from k3_trtllm.kernels.batch_invariant import set_batch_invariant  # noqa: E402
 from k3_trtllm.ops.common import rms_norm  # noqa: E402
+from cuda_timing import time_ms  # noqa: E402  (bench/, the script's folder, is on sys.path)
 
 TOKENS = (1, 8, 64, 512, 4096)
 GEMMS = {"hidden_7168": (7168, torch.bfloat16), "mla_fused_a_2112": (2112, torch.bfloat16),
          "lm_head_20480_fp32": (20480, torch.float32)}
 D = 7168
-
-
-def time_ms(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def measure() -> dict:
@@ -51,11 +36,11 @@ def measure() -> dict:
         w = (torch.randn(n, D, generator=g, device="cuda") * D ** -0.5).to(dtype)
         for T in TOKENS:
             x = torch.randn(T, D, generator=g, device="cuda").to(dtype)
-            out[f"{name}_T{T}"] = time_ms(lambda: torch.nn.functional.linear(x, w))
+            out[f"{name}_T{T}"] = time_ms(lambda: torch.nn.functional.linear(x, w), 20, warmup=3)
     norm_w = torch.randn(D, generator=g, device="cuda").bfloat16()
     for T in TOKENS:
         x = torch.randn(T, D, generator=g, device="cuda").bfloat16()
-        out[f"rms_norm_{D}_T{T}"] = time_ms(lambda: rms_norm(x, norm_w, 1e-6))
+        out[f"rms_norm_{D}_T{T}"] = time_ms(lambda: rms_norm(x, norm_w, 1e-6), 20, warmup=3)
     return out
 
 

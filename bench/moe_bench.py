@@ -26,7 +26,6 @@ import collections
 import datetime
 import json
 import os
-import statistics
 import sys
 import traceback
 from pathlib import Path
@@ -38,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from k3_trtllm.kernels import moe as moe_kernels  # noqa: E402
 from k3_trtllm.ops.common import situ_glu  # noqa: E402
+from cuda_timing import time_ms  # noqa: E402  (bench/, the script's folder, is on sys.path)
 
 E = EL = 112
 TOP_K, L, I, D = 16, 3584, 3072, 7168
@@ -45,20 +45,6 @@ PREFILL_T = 4096
 DECODE_T = (1, 8, 64)
 BETA, LINEAR_BETA = 2.0, 4.0
 ATTRS = (E, TOP_K, 1, 1, 0, 0, 1, 1.0, 1, BETA, LINEAR_BETA)
-
-
-def time_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def copy_bandwidth_gbs() -> float:

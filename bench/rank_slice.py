@@ -744,11 +744,7 @@ def run_bench(data: dict, source: str, device: torch.device, args) -> dict:
     for ctx in args.contexts:
         for b in args.batches:
             r = decode_case(executor, caches, model, cfg, par, layout, b, ctx, bw, gen, args)
-            r["extrapolated_eager"] = extrapolate(r["parts_eager_ms"], r["eager"]["median_ms"], counts, full_counts,
-                                                r["parts_floor_ms"])
-            if "graph" in r:
-                r["extrapolated_graph"] = extrapolate(r["parts_graph_ms"], r["graph"]["median_ms"], counts, full_counts,
-                                                    r["parts_floor_ms"])
+            _add_extrapolations(r, counts, full_counts)
             report["decode"].append(r)
             print(_decode_line(r), flush=True)
     report["prefill"] = []
@@ -767,6 +763,14 @@ def run_bench(data: dict, source: str, device: torch.device, args) -> dict:
     return report
 
 
+def _add_extrapolations(r: dict, counts: dict[str, int], full_counts: dict[str, int]) -> None:
+    """A decode case's eager (and, when captured, graph) step extrapolated to the whole model."""
+    for mode in ("eager", "graph"):
+        if mode in r:
+            r[f"extrapolated_{mode}"] = extrapolate(r[f"parts_{mode}_ms"], r[mode]["median_ms"], counts, full_counts,
+                                                    r["parts_floor_ms"])
+
+
 def extrapolation_rank(data, source, device, args, copy_bw, full_counts) -> dict:
     """A second slice at ``--extrapolate-tp/--extrapolate-ep`` dims: batch-1 decode per layer
     kind, extrapolated to the whole model (TPOT without the collectives)."""
@@ -782,11 +786,7 @@ def extrapolation_rank(data, source, device, args, copy_bw, full_counts) -> dict
     counts = layer_counts(cfg)
     for ctx in args.contexts:
         r = decode_case(executor, caches, model, cfg, par, layout, 1, ctx, copy_bw, gen, args)
-        r["extrapolated_eager"] = extrapolate(r["parts_eager_ms"], r["eager"]["median_ms"], counts, full_counts,
-                                                r["parts_floor_ms"])
-        if "graph" in r:
-            r["extrapolated_graph"] = extrapolate(r["parts_graph_ms"], r["graph"]["median_ms"], counts, full_counts,
-                                                    r["parts_floor_ms"])
+        _add_extrapolations(r, counts, full_counts)
         out["batch_1"].append(r)
         print(f"TP{tp}/EP{ep} " + _decode_line(r), flush=True)
     del executor, model, caches
