@@ -112,6 +112,12 @@ class RankGroup:
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
+def rank_threads(tp: int) -> int:
+    """torch intra-op CPU threads for each rank: this process's pool shared by the ranks that
+    run on this host (torchrun's LOCAL_WORLD_SIZE, else all ``tp`` ranks are started here)."""
+    return max(1, torch.get_num_threads() // int(os.environ.get("LOCAL_WORLD_SIZE", tp)))
+
+
 # -- starting the world ------------------------------------------------------------
 
 def start_world(spec: RankSpec, world_size: int, make_executor) -> "BroadcastExecutor | None":

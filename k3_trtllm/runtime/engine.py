@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 import time
 from collections.abc import Iterable, Iterator
@@ -21,7 +20,7 @@ from k3_trtllm.model import K3Caches, load_model, model_from_state_dict
 from k3_trtllm.model.parallel import shard_hf_checkpoint
 from k3_trtllm.runtime.block_manager import BlockManager
 from k3_trtllm.runtime.cache_budget import size_pools
-from k3_trtllm.runtime.distributed import RankSpec, check_world_one, start_world
+from k3_trtllm.runtime.distributed import RankSpec, check_world_one, rank_threads, start_world
 from k3_trtllm.runtime.executor import Executor, TorchExecutor
 from k3_trtllm.runtime.model_runner import ModelRunner
 from k3_trtllm.runtime.sampler import Sampler
@@ -286,22 +285,29 @@ def build_engine(model_dir: str, *, dtype: torch.dtype = torch.bfloat16, device:
     pools = size_pools(K3Caches.bytes_per_block(cfg, block_size, dtype), K3Caches.bytes_per_slot(cfg, dtype, tp),
                        block_size=block_size, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                        cache_memory_gb=cache_memory_gb, num_blocks=num_blocks, max_slots=max_slots)
-    device_type = torch.device(device).type
-    spec = RankSpec(str(model_dir), dtype, device_type, tp, ep, pools.num_blocks, pools.max_slots, block_size,
-                    threads=max(1, torch.get_num_threads() // int(os.environ.get("LOCAL_WORLD_SIZE", tp))),
-                    batch_invariant=batch_invariant)
-    if tp == 1:
-        check_world_one(model_dir)
-        executor = _rank_executor(spec, torch.device(device))
-    else:
-        executor = start_world(spec, tp, _rank_executor)
-        if executor is None:
-            return None
+    spec = RankSpec(str(model_dir), dtype, torch.device(device).type, tp, ep, pools.num_blocks, pools.max_slots,
+                    block_size, threads=rank_threads(tp), batch_invariant=batch_invariant)
     config = EngineConfig(num_blocks=pools.num_blocks, max_slots=pools.max_slots, block_size=block_size,
                           max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len)
+    return start_engine(spec, _rank_executor, cfg, config, device, model_dir, seed)
+
+
+def start_engine(spec: RankSpec, make_executor, cfg: K3Config, config: EngineConfig, device: str,
+                 tokenizer_dir, seed: int | None) -> LLMEngine | None:
+    """This rank's executor from ``make_executor(spec, device)`` (at world size > 1 on every
+    rank, started or joined by ``start_world``) and, on rank 0, the engine over it with the
+    tokenizer of ``tokenizer_dir``; None on a torchrun rank other than 0, once rank 0 has
+    closed its engine. One path for checkpoints and engine dirs."""
+    if spec.tp == 1:
+        check_world_one(spec.model_dir)
+        executor = make_executor(spec, torch.device(device))
+    else:
+        executor = start_world(spec, spec.tp, make_executor)
+        if executor is None:
+            return None
     eos = cfg.eos_token_id
     eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-    return LLMEngine(executor, config, eos_token_ids=eos_ids, tokenizer=load_tokenizer(model_dir), seed=seed)
+    return LLMEngine(executor, config, eos_token_ids=eos_ids, tokenizer=load_tokenizer(tokenizer_dir), seed=seed)
 
 
 def _checkpoint_layout(model_dir, tp: int | None, ep: int | None) -> tuple[K3Config, int, int]:

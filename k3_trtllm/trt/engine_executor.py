@@ -389,9 +389,8 @@ def engine_dir_engine(engine_dir: str | Path, *, checkpoint: str | Path | None =
     checkpoint (``runtime/distributed.py``); on a torchrun rank other than 0 this serves
     steps and returns None."""
     from ..runtime.cache_budget import size_pools
-    from ..runtime.distributed import RankSpec, start_world
-    from ..runtime.engine import EngineConfig, LLMEngine
-    from ..runtime.tokenizer import load_tokenizer
+    from ..runtime.distributed import RankSpec, rank_threads
+    from ..runtime.engine import EngineConfig, start_engine
 
     config = read_engine_config(engine_dir)
     checkpoint = engine_checkpoint(config, engine_dir, checkpoint)
@@ -413,15 +412,7 @@ def engine_dir_engine(engine_dir: str | Path, *, checkpoint: str | Path | None =
     max_slots = max_slots or min(pools.max_slots, lim["max_batch_size"])
     make = partial(_rank_executor, str(engine_dir), str(checkpoint), backend, plugin_lib)
     spec = RankSpec(str(engine_dir), act, torch.device(device).type, tp, config["mapping"]["moe_ep_size"],
-                    num_blocks, max_slots, block_size, threads=max(1, torch.get_num_threads() // tp))
-    if tp == 1:
-        executor = make(spec, torch.device(device))
-    else:
-        executor = start_world(spec, tp, make)
-        if executor is None:
-            return None
+                    num_blocks, max_slots, block_size, threads=rank_threads(tp))
     engine_config = EngineConfig(num_blocks=num_blocks, max_slots=max_slots, block_size=block_size,
                                  max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len)
-    eos = cfg.eos_token_id
-    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-    return LLMEngine(executor, engine_config, eos_token_ids=eos_ids, tokenizer=load_tokenizer(checkpoint), seed=seed)
+    return start_engine(spec, make, cfg, engine_config, device, checkpoint, seed)
