@@ -155,7 +155,9 @@ def build_engine_from_options(model_dir: str, *, dtype: str, device: str | None,
     if checkpoint is not None or plugin_lib is not None:
         raise click.ClickException("--checkpoint/--plugin-lib go with an engine dir from `k3-trt build`")
     if cache_memory_gb is None and (num_blocks is None or max_slots is None):
-        cache_memory_gb = 2.0
+        from k3_trtllm.runtime.cache_budget import DEFAULT_CACHE_MEMORY_GB
+
+        cache_memory_gb = DEFAULT_CACHE_MEMORY_GB
     try:
         engine = build_engine(model_dir, dtype=getattr(torch, dtype), device=device, block_size=block_size,
                               max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,

@@ -4,6 +4,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 GIB = 1 << 30
+# the cache budget of run, bench, serve and engine dirs when neither it nor both pool counts are given
+DEFAULT_CACHE_MEMORY_GB = 2.0
 
 
 class PoolSizes(NamedTuple):

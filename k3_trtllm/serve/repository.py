@@ -156,5 +156,7 @@ def engine_kwargs_from_parameters(parameters: dict[str, str], engine_dir: bool =
         raise ValueError(f"config.pbtxt parameter dtype={engine['dtype']!r} is not a torch dtype")
     engine["dtype"] = dtype
     if "cache_memory_gb" not in engine and ("num_blocks" not in engine or "max_slots" not in engine):
-        engine["cache_memory_gb"] = 2.0  # the same default as `k3-trt run`
+        from k3_trtllm.runtime.cache_budget import DEFAULT_CACHE_MEMORY_GB
+
+        engine["cache_memory_gb"] = DEFAULT_CACHE_MEMORY_GB
     return parameters["model_dir"], engine, loop

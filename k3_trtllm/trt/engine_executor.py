@@ -388,7 +388,7 @@ def engine_dir_engine(engine_dir: str | Path, *, checkpoint: str | Path | None =
     ones must fit it. At world size N > 1 the ranks are started or joined as for a
     checkpoint (``runtime/distributed.py``); on a torchrun rank other than 0 this serves
     steps and returns None."""
-    from ..runtime.cache_budget import size_pools
+    from ..runtime.cache_budget import DEFAULT_CACHE_MEMORY_GB, size_pools
     from ..runtime.distributed import RankSpec, rank_threads
     from ..runtime.engine import EngineConfig, start_engine
 
@@ -403,7 +403,7 @@ def engine_dir_engine(engine_dir: str | Path, *, checkpoint: str | Path | None =
     max_seq_len = _within("max_seq_len", max_seq_len, lim["max_seq_len"])
     tp = config["mapping"]["tp_size"]
     if cache_memory_gb is None and (num_blocks is None or max_slots is None):
-        cache_memory_gb = 2.0
+        cache_memory_gb = DEFAULT_CACHE_MEMORY_GB
     pools = size_pools(K3Caches.bytes_per_block(cfg, block_size, act), K3Caches.bytes_per_slot(cfg, act, tp),
                        block_size=block_size, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                        cache_memory_gb=cache_memory_gb, num_blocks=num_blocks, max_slots=max_slots)
