@@ -1,4 +1,4 @@
-"""Cost of the batch-invariant mode's torch part (k3_trtllm/kernels/batch_invariant.py) at one
+"""Cost of the batch-invariant mode's torch part (k3_trtllm/ops/batch_invariant.py) at one
 K3 TP8 rank's dense shapes: a bf16 GEMM x[T, 7168] · W[N, 7168]ᵀ for N = 7168 (hidden), 2112
 (MLA fused_a: q_lora 1536 + kv_lora 512 + rope 64) and 20480 (vocab / 8, fp32 like the LM head
 is run), and RMSNorm over 7168, for T = 1, 8, 64, 512, 4096: default vs mode, same process.
@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from k3_trtllm.kernels.batch_invariant import set_batch_invariant  # noqa: E402
+from k3_trtllm.ops.batch_invariant import set_batch_invariant  # noqa: E402
 from k3_trtllm.ops.common import rms_norm  # noqa: E402
 from cuda_timing import time_ms  # noqa: E402  (bench/, the script's folder, is on sys.path)
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from k3_trtllm.runtime.benchmark import make_workload, run_workload  # noqa: E402
+from k3_trtllm.runtime.testing.workload import make_workload, run_workload  # noqa: E402
 from k3_trtllm.runtime.engine import EngineConfig, LLMEngine  # noqa: E402
-from k3_trtllm.runtime.stats import summarize  # noqa: E402
-from k3_trtllm.runtime.synthetic_executor import SyntheticExecutor  # noqa: E402
+from k3_trtllm.runtime.engine import summarize  # noqa: E402
+from k3_trtllm.runtime.testing.synthetic_executor import SyntheticExecutor  # noqa: E402
 
 
 def length_range(text: str) -> tuple[int, int]:

@@ -4,8 +4,8 @@
 # one (fp32 atomics) in the same run. $OUT gets determinism_h200.json and det_logs.tgz (every
 # log, junit file and benchmark JSON; the device returns at most 8 files).
 #   K3_COMMIT="<sha> dirty" BASE=.k3base bench/determinism_device_run.sh
-# BASE: a directory holding the previous plugins/include and plugins/kernels/moe.cu (e.g.
-# `git archive <commit> plugins/include plugins/kernels/moe.cu | tar -x -C .k3base`); without
+# BASE: a directory holding the previous plugins/include and moe.cu (plugins/c_api/, or
+# plugins/kernels/ in trees before the rename; e.g. `git archive <commit> plugins | tar -x -C .k3base`); without
 # it the A/B timing and the old-path repeat check are skipped.
 # STAGES (default "moe model bench cost slice"): moe = the MoE op repeat checks and the MoE
 # batch-invariant mode (new library), the repeat checks on the old one (differences recorded,
@@ -36,10 +36,12 @@ moe_nvcc() {  # include_dir source output
     -gencode arch=compute_90a,code=sm_90a -I"$1" -shared -cudart static -Xptxas -v "$2" -o "$3"
 }
 new=/tmp/k3det/libk3_moe.so old=/tmp/k3det/libk3_moe_base.so
-moe_nvcc plugins/include plugins/kernels/moe.cu "$new" 2>"$out/ptxas_new.log" &
+moe_nvcc plugins/include plugins/c_api/moe.cu "$new" 2>"$out/ptxas_new.log" &
 p1=$!
 if [[ -n "$base" ]]; then
-  moe_nvcc "$base/plugins/include" "$base/plugins/kernels/moe.cu" "$old" 2>"$out/ptxas_old.log" &
+  base_moe="$base/plugins/c_api/moe.cu"
+  [[ -f "$base_moe" ]] || base_moe="$base/plugins/kernels/moe.cu"  # trees before the rename
+  moe_nvcc "$base/plugins/include" "$base_moe" "$old" 2>"$out/ptxas_old.log" &
   p2=$!
 fi
 wait $p1 || { tail -30 "$out/ptxas_new.log"; exit 1; }

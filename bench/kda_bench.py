@@ -1,4 +1,4 @@
-"""KDA prefill / decode on the GPU: ours (plugins/kernels/kda.cu) next to FlashKDA and FLA.
+"""KDA prefill / decode on the GPU: ours (plugins/c_api/kda.cu) next to FlashKDA and FLA.
 
 Run on the GPU machine, in one process, so that every number shares the card's state:
     python3 bench/kda_bench.py --out DIR [--decode-only | --prefill-only] [--shapes T4096_H96 ...]
@@ -17,6 +17,7 @@ and the final state). Writes DIR/kda_h200.json and DIR/kda_h200.png.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import hashlib
 import json
@@ -31,8 +32,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from k3_trtllm import kernels  # noqa: E402
-from k3_trtllm.kernels import kda as kda_kernels  # noqa: E402
+from k3_trtllm.ops import cuda_library as kernels  # noqa: E402
+from k3_trtllm.ops.c_abi import KDA  # noqa: E402
+from k3_trtllm.ops.kda import cuda as kda_kernels  # noqa: E402
 
 D, W, LB = 128, 4, -5.0
 PREFILL_SHAPES = [  # name, sequence lengths, heads
@@ -55,7 +57,7 @@ def median_ms(fn) -> float:
 
 def source_hash() -> str:
     files = sorted((ROOT / "plugins/include/k3/kda").glob("*.cuh")) + [
-        ROOT / "plugins/kernels/kda.cu", ROOT / "k3_trtllm/kernels/kda.py", Path(__file__)]
+        ROOT / "plugins/c_api/kda.cu", ROOT / "k3_trtllm/ops/kda/cuda.py", Path(__file__)]
     h = hashlib.sha256()
     for f in files:
         h.update(f.read_bytes())
@@ -99,13 +101,11 @@ def ours(name: str, x, lib=None):
     fn = getattr(lib, name)
     nbytes = lib.k3_kda_prefill_workspace_bytes(x["T"], x["B"], x["H"], D, LB) if name == "k3_kda_prefill" else 0
     work = torch.empty(max(nbytes, 16), dtype=torch.uint8, device="cuda")
-    ptrs = [x[k].data_ptr() for k in ("qkv", "gate", "beta", "conv_weight", "A_log", "dt_bias",
-                                      "cu_seqlens", "state_slots", "has_initial_state",
-                                      "conv_state", "recurrent_state", "out")] + [work.data_ptr()]
+    params = ctypes.byref(KDA.fill([x[k] for k in STATE_KEYS], (x["out"],), (x["H"], D, LB), work))
     stream = torch.cuda.current_stream().cuda_stream
 
     def run():
-        status = fn(*ptrs, x["T"], x["B"], x["H"], D, W, LB, stream)
+        status = fn(params, stream)
         if status != 0:
             raise RuntimeError(f"{name} returned CUDA error {status}")
     return run

@@ -25,9 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kda_bench as kb  # noqa: E402  (inputs, timing and the peers)
+from k3_trtllm.ops.kda import cuda as kda_cuda  # noqa: E402
 
 HEADS = kb.DECODE_HEADS
-ARGTYPES = [ctypes.c_void_p] * 13 + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_void_p]
+ARGTYPES = kda_cuda._ARGTYPES  # const K3KdaParams*, stream
 
 
 def load(path: str) -> ctypes.CDLL:

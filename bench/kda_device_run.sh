@@ -17,7 +17,7 @@ build() {  # build LIB [nvcc flags]
   shift
   timeout 150 nvcc -std=c++17 -O3 -Xcompiler -fPIC --expt-relaxed-constexpr -lineinfo \
     -gencode arch=compute_90a,code=sm_90a -Iplugins/include -shared -cudart static \
-    -Xptxas -v "$@" plugins/kernels/kda.cu -o "$lib"
+    -Xptxas -v "$@" plugins/c_api/kda.cu -o "$lib"
 }
 lib=/tmp/k3kda/libk3_kda.so
 build "$lib" 2>"$out/ptxas.log" &

@@ -31,11 +31,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from k3_trtllm.kernels import mla as cuda_mla
+from k3_trtllm.ops.mla import cuda as cuda_mla
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = sorted([*ROOT.glob("plugins/include/k3/mla/*.cuh"), ROOT / "plugins/kernels/mla.cu",
-                  ROOT / "k3_trtllm/kernels/mla.py", ROOT / "bench/mla_bench.py"])
+SOURCES = sorted([*ROOT.glob("plugins/include/k3/mla/*.cuh"), ROOT / "plugins/c_api/mla.cu",
+                  ROOT / "k3_trtllm/ops/mla/cuda.py", ROOT / "bench/mla_bench.py"])
 NOPE, ROPE, RANK, VDIM = 128, 64, 512, 128
 WIDTH = RANK + ROPE
 SCALE = (NOPE + ROPE) ** -0.5

@@ -22,7 +22,7 @@ for spec in "${variants[@]}"; do
   # shellcheck disable=SC2086  # flags are word-split on purpose
   nvcc -std=c++17 -O3 -Xcompiler -fPIC --expt-relaxed-constexpr -lineinfo \
     -gencode arch=compute_90a,code=sm_90a -Iplugins/include -shared -cudart static \
-    -Xptxas -v $flags plugins/kernels/mla.cu -o "/tmp/k3mla/libk3_mla_$name.so" \
+    -Xptxas -v $flags plugins/c_api/mla.cu -o "/tmp/k3mla/libk3_mla_$name.so" \
     >"/tmp/k3mla/ptxas_$name.log" 2>&1 &
 done
 wait

@@ -1,8 +1,12 @@
-"""SiTU latent-MoE routed part on the GPU: ours (plugins/kernels/moe.cu) next to torch._grouped_mm.
+"""SiTU latent-MoE routed part on the GPU: ours (plugins/c_api/moe.cu) next to torch._grouped_mm.
 
     python3 bench/moe_bench.py --out DIR        (writes DIR/moe_h200.json)
     python3 bench/moe_bench.py --prefill-only --out DIR
     python3 bench/moe_bench.py --ours-only --out DIR  (no torch baselines: library A/B runs)
+    python3 bench/moe_bench.py --decode-only --label NAME --out DIR
+        (decode cases alone, with per-kernel times; writes DIR/moe_decode_h200.json and appends
+        one line per run to DIR/decode_runs.jsonl, so several kernel libraries run one after
+        another in one device call land side by side)
     python3 bench/moe_bench.py --profile-once   (one eager bf16 prefill call, for ncu)
 
 Prefill: 4096 tokens x top-16 over 112 local experts (E = El = 112: one EP rank's share after
@@ -14,7 +18,11 @@ fp32 torch ops, torch._grouped_mm(w2), weighted index_add (routing precomputed, 
 grouped_mm_gemms = the two torch._grouped_mm calls alone.
 Decode (T = 1, 8, 64, same experts): time of the whole op vs the time to read the touched
 experts' weights once at the copy bandwidth measured in this run (copy bandwidth = bytes read +
-written by a 4 GiB device-to-device copy / its time); bf16 and MXFP4 (W4A16) experts.
+written by a 4 GiB device-to-device copy / its time); bf16 and MXFP4 (W4A16) experts. Each case
+also lists its kernels' device times (torch.profiler, eager calls) and, for the two expert GEMVs,
+the touched bytes of their matrix (w13: 2/3 of an expert, w2: 1/3) over that time. The later
+kernels of the decode chain are programmatic dependents (pdl.cuh), so their profiled times
+include a few µs of waiting for the kernel before; the graph time is the op's.
 Times: CUDA events, median of a few repetitions after one warm-up (weights are far larger than
 L2, so decode reads come from HBM). Prefill also lists each kernel's device time (torch.profiler,
 mean over a few calls) under kernel_ms.
@@ -35,7 +43,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from k3_trtllm.kernels import moe as moe_kernels  # noqa: E402
+from k3_trtllm.ops.moe import cuda as moe_kernels  # noqa: E402
 from k3_trtllm.ops.common import situ_glu  # noqa: E402
 from cuda_timing import time_ms  # noqa: E402  (bench/, the script's folder, is on sys.path)
 
@@ -144,10 +152,55 @@ def run_op(mxfp4: bool, x, z, router, bias, experts):
         return eager, "eager"
 
 
+def prefill_case(mxfp4: bool, experts, g: torch.Generator, ours_only: bool) -> dict:
+    x, z, router, bias = inputs(PREFILL_T, g)
+    fn, mode = run_op(mxfp4, x, z, router, bias, experts)
+    op = torch.ops.k3.situ_moe_mxfp4 if mxfp4 else torch.ops.k3.situ_moe
+    entry = {"ours_ms": time_ms(fn, 3), "ours_timing": mode,
+             "ours_router_ms": time_ms(lambda: moe_kernels.route(x, router, bias, TOP_K, 1, 1, 0, True, 1.0), 3),
+             "kernel_ms": kernel_ms(lambda: op(x, z, router, bias, *experts, *ATTRS))}
+    if not mxfp4 and not ours_only:
+        # K3's whole router (896 experts, before the all-to-all) at the same T, for scale.
+        router896 = torch.randn(8 * E, D, generator=g, device="cuda") * D ** -0.5
+        bias896 = torch.randn(8 * E, generator=g, device="cuda") * 0.1
+        entry["router_e896_ms"] = time_ms(
+            lambda: moe_kernels.route(x, router896, bias896, TOP_K, 1, 1, 0, True, 1.0), 3)
+        try:
+            entry.update(grouped_mm_baselines(x, z, router, bias, *experts))
+        except Exception as exc:  # a missing / different torch._grouped_mm must not lose the rest
+            entry["grouped_mm_error"] = "".join(traceback.format_exception_only(exc)).strip()
+    flops = 2 * PREFILL_T * TOP_K * (L * 2 * I + I * L)
+    for key in [k for k in entry if k.endswith("_ms") and "router" not in k and k != "kernel_ms"]:
+        entry[key.replace("_ms", "_tflops")] = flops / entry[key] / 1e9
+    return entry
+
+
+def decode_case(mxfp4: bool, T: int, experts, g: torch.Generator, copy_gbps: float) -> dict:
+    x, z, router, bias = inputs(T, g)
+    ids, _ = moe_kernels.route(x, router, bias, TOP_K, 1, 1, 0, True, 1.0)
+    touched = int(torch.unique(ids).numel())
+    fn, mode = run_op(mxfp4, x, z, router, bias, experts)
+    ms = time_ms(fn, 20)
+    read_ms = touched * expert_bytes(mxfp4) / (copy_gbps * 1e6)
+    route = lambda: moe_kernels.route(x, router, bias, TOP_K, 1, 1, 0, True, 1.0)  # noqa: E731
+    op = torch.ops.k3.situ_moe_mxfp4 if mxfp4 else torch.ops.k3.situ_moe
+    kernels = kernel_ms(lambda: op(x, z, router, bias, *experts, *ATTRS), 10)
+    gemv_gbps = {}
+    for kernel, kms in kernels.items():
+        share = 2 / 3 if kernel.startswith("gate_up") else 1 / 3 if kernel.startswith("down") else 0
+        if share:
+            gemv_gbps[kernel] = touched * expert_bytes(mxfp4) * share / kms / 1e6
+    return {"ours_ms": ms, "ours_timing": mode, "touched_experts": touched,
+            "ours_router_ms_eager": time_ms(route, 10), "weight_read_ms_at_copy_bw": read_ms,
+            "fraction_of_copy_bw": read_ms / ms, "kernel_ms": kernels, "gemv_weight_GBps": gemv_gbps}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--prefill-only", action="store_true", help="skip the decode cases")
+    parser.add_argument("--decode-only", action="store_true", help="skip the prefill cases")
+    parser.add_argument("--label", default="", help="name of this run's kernel library in the JSON")
     parser.add_argument("--ours-only", action="store_true",
                         help="skip the torch._grouped_mm baselines and the 896-expert router (A/B runs of "
                              "two kernel libraries need only our op)")
@@ -165,51 +218,35 @@ def main() -> None:
         return
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "commit": os.environ.get("K3_COMMIT", "unknown"), "batch_invariant": args.batch_invariant,
+              "label": args.label, "kernels_lib": os.environ.get("K3_KERNELS_LIB", "build/libk3_kernels.so"),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "shape": {"E": E, "El": EL, "top_k": TOP_K, "L": L, "I": I, "D": D},
               "copy_bandwidth_GBps": copy_bandwidth_gbs(), "prefill": {}, "decode": {}}
     print(f"copy bandwidth {result['copy_bandwidth_GBps']:.0f} GB/s")
-    flops = 2 * PREFILL_T * TOP_K * (L * 2 * I + I * L)
     for mxfp4 in (False, True):
         name = "mxfp4" if mxfp4 else "bf16"
         experts = make_experts(mxfp4, g)
-        x, z, router, bias = inputs(PREFILL_T, g)
-        fn, mode = run_op(mxfp4, x, z, router, bias, experts)
-        entry = {"ours_ms": time_ms(fn, 3), "ours_timing": mode,
-                 "ours_router_ms": time_ms(lambda: moe_kernels.route(x, router, bias, TOP_K, 1, 1, 0, True, 1.0), 3),
-                 "kernel_ms": kernel_ms(lambda: (torch.ops.k3.situ_moe_mxfp4 if mxfp4 else torch.ops.k3.situ_moe)(
-                     x, z, router, bias, *experts, *ATTRS))}
-        if not mxfp4 and not args.ours_only:
-            # K3's whole router (896 experts, before the all-to-all) at the same T, for scale.
-            router896 = torch.randn(8 * E, D, generator=g, device="cuda") * D ** -0.5
-            bias896 = torch.randn(8 * E, generator=g, device="cuda") * 0.1
-            entry["router_e896_ms"] = time_ms(
-                lambda: moe_kernels.route(x, router896, bias896, TOP_K, 1, 1, 0, True, 1.0), 3)
-            try:
-                entry.update(grouped_mm_baselines(x, z, router, bias, *experts))
-            except Exception as exc:  # a missing / different torch._grouped_mm must not lose the rest
-                entry["grouped_mm_error"] = "".join(traceback.format_exception_only(exc)).strip()
-        for key in [k for k in entry if k.endswith("_ms") and "router" not in k and k != "kernel_ms"]:
-            entry[key.replace("_ms", "_tflops")] = flops / entry[key] / 1e9
-        result["prefill"][name] = entry
-        print(name, "prefill", json.dumps(entry))
+        if not args.decode_only:
+            result["prefill"][name] = prefill_case(mxfp4, experts, g, args.ours_only)
+            print(name, "prefill", json.dumps(result["prefill"][name]))
         for T in () if args.prefill_only else DECODE_T:
-            x, z, router, bias = inputs(T, g)
-            ids, _ = moe_kernels.route(x, router, bias, TOP_K, 1, 1, 0, True, 1.0)
-            touched = int(torch.unique(ids).numel())
-            fn, mode = run_op(mxfp4, x, z, router, bias, experts)
-            ms = time_ms(fn, 10)
-            read_ms = touched * expert_bytes(mxfp4) / (result["copy_bandwidth_GBps"] * 1e6)
-            route = lambda: moe_kernels.route(x, router, bias, TOP_K, 1, 1, 0, True, 1.0)  # noqa: E731
-            result["decode"][f"{name}_T{T}"] = {"ours_ms": ms, "ours_timing": mode, "touched_experts": touched,
-                                                "ours_router_ms_eager": time_ms(route, 10),
-                                                "weight_read_ms_at_copy_bw": read_ms,
-                                                "fraction_of_copy_bw": read_ms / ms}
+            result["decode"][f"{name}_T{T}"] = decode_case(mxfp4, T, experts, g, result["copy_bandwidth_GBps"])
             print(name, f"decode T={T}", json.dumps(result["decode"][f"{name}_T{T}"]))
         del experts
         torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "moe_h200.json").write_text(json.dumps(result, indent=2) + "\n")
+    if args.decode_only:
+        (args.out / "moe_decode_h200.json").write_text(json.dumps(result, indent=2) + "\n")
+        with open(args.out / "decode_runs.jsonl", "a") as runs:
+            runs.write(json.dumps(result) + "\n")
+    else:
+        (args.out / "moe_h200.json").write_text(json.dumps(result, indent=2) + "\n")
+    if result["decode"]:
+        print(f"{'case':<12} {'op ms':>8} {'floor ms':>8} {'of floor':>8} {'gate_up GB/s':>12} {'down GB/s':>10}  {args.label}")
+        for key, d in result["decode"].items():
+            bw = {k.split("_decode")[0]: v for k, v in d["gemv_weight_GBps"].items()}
+            print(f"{key:<12} {d['ours_ms']:8.3f} {d['weight_read_ms_at_copy_bw']:8.3f} {d['fraction_of_copy_bw']:8.1%} "
+                  f"{bw.get('gate_up', 0):12.0f} {bw.get('down', 0):10.0f}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ fi
 # moe.cu on its own first (seconds), so the op tests need not wait for the other kernels.
 lib=/tmp/k3moe/libk3_moe.so
 timeout 120 nvcc -std=c++17 -O3 -Xcompiler -fPIC --expt-relaxed-constexpr -lineinfo -gencode arch=compute_90a,code=sm_90a \
-  -Iplugins/include -shared -cudart static -Xptxas -v plugins/kernels/moe.cu -o "$lib" 2>"$out/ptxas.log" \
+  -Iplugins/include -shared -cudart static -Xptxas -v plugins/c_api/moe.cu -o "$lib" 2>"$out/ptxas.log" \
   || { cat "$out/ptxas.log"; exit 1; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 K3_KERNELS_LIB="$lib" timeout 240 python3 -m pytest tests/gpu/test_moe_cuda.py -s -rs -k "not trt_plugin" 2>&1 \

@@ -51,13 +51,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from k3_trtllm.config import ConfigError, K3Config, parse_config  # noqa: E402
-from k3_trtllm.convert.parallel import ConvertError, parallel_for  # noqa: E402
+from k3_trtllm.checkpoint.errors import CheckpointError  # noqa: E402
+from k3_trtllm.checkpoint.rank_layout import rank_layout_for  # noqa: E402
 from k3_trtllm.model import K3Caches, K3ForCausalLM, Parallel, build_step  # noqa: E402
-from k3_trtllm.model.k3 import DecoderLayer  # noqa: E402
+from k3_trtllm.model.step import is_pure_decode  # noqa: E402
+from k3_trtllm.model.k3 import DecoderLayer, head_logits  # noqa: E402
 from k3_trtllm.model.layers import LatentMoE  # noqa: E402
 from k3_trtllm.model.parallel import gather_columns  # noqa: E402
-from k3_trtllm.ops.common import compute_dtype, rms_norm  # noqa: E402
-from k3_trtllm.ops.moe.naive import SCORING_SIGMOID, route  # noqa: E402
+from k3_trtllm.ops.norm import rms_norm  # noqa: E402
+from k3_trtllm.ops.moe.naive import SCORING, route  # noqa: E402
 from k3_trtllm.runtime.executor import TorchExecutor, pad_block_tables, padded_width  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,8 +113,8 @@ def rank_parallel(cfg: K3Config, tp: int, ep: int) -> RankShard:
     if tp < 1 or ep < 1:
         raise BenchError(f"--tp {tp} --ep {ep}: expected positive integers")
     try:
-        layout = parallel_for(cfg, tp, ep, cfg.moe is not None and cfg.moe.mxfp4)
-    except ConvertError as e:
+        layout = rank_layout_for(cfg, tp, ep, cfg.moe is not None and cfg.moe.mxfp4)
+    except CheckpointError as e:
         raise BenchError(str(e).replace("\n  ", "; ")) from None
     return RankShard(tp_size=1, tp_rank=0, moe_ep_size=layout.ep, moe_ep_rank=0, moe_tp_size=layout.moe_tp,
                      moe_tp_rank=0, shard=tp)
@@ -209,8 +211,8 @@ def fill_caches_(caches: K3Caches) -> None:
 
 
 def make_step(entries: list[tuple[int, int]], layout: PoolLayout, vocab_local: int, gen: torch.Generator):
-    """A step of sequences ``(new_tokens, context_len)``, built as ModelRunner builds one (on
-    the host: the executor moves it, and reads its phase there)."""
+    """A step of sequences ``(new_tokens, context_len)`` and its phase (pure decode or not),
+    built and decided as ModelRunner does (on the host: the executor moves the step)."""
     seqs = []
     for i, (n, ctx) in enumerate(entries):
         if ctx + n > layout.max_tokens_per_seq or i >= layout.max_seqs:
@@ -220,7 +222,7 @@ def make_step(entries: list[tuple[int, int]], layout: PoolLayout, vocab_local: i
         table = list(range(i * layout.blocks_per_seq, i * layout.blocks_per_seq + blocks))
         ids = torch.randint(0, vocab_local, (n,), generator=gen).tolist()
         seqs.append((ids, ctx, i, table))
-    return build_step(seqs, layout.block_size)
+    return build_step(seqs, layout.block_size), is_pure_decode(seqs)
 
 
 # ---------------------------------------------------------------------------
@@ -231,10 +233,10 @@ def _route_ids(moe: LatentMoE, x: torch.Tensor) -> torch.Tensor:
     the reference router."""
     m = moe.moe
     args = (x, moe.router.weight, moe.router.e_score_correction_bias, m.top_k, m.num_expert_group,
-            m.topk_group, SCORING_SIGMOID if m.scoring == "sigmoid" else 1, m.renormalize,
+            m.topk_group, SCORING[m.scoring], m.renormalize,
             m.routed_scaling_factor)
     if x.is_cuda and x.dtype == torch.bfloat16:
-        from k3_trtllm.kernels import moe as cuda_moe
+        from k3_trtllm.ops.moe import cuda as cuda_moe
         return cuda_moe.route(*args)[0]
     return route(*args)[0]
 
@@ -265,11 +267,11 @@ class RoutingRecorder:
             h.remove()
 
 
-def record_routing(executor: TorchExecutor, step) -> RoutingRecorder:
+def record_routing(executor: TorchExecutor, step, decode: bool) -> RoutingRecorder:
     """Runs ``step`` once with the hooks (outside any timing) and returns the choices."""
     rec = RoutingRecorder(executor.model)
     try:
-        executor.execute(step)
+        executor.execute(step, decode)
     finally:
         rec.remove()
     return rec
@@ -490,8 +492,7 @@ def _first_layer(model: K3ForCausalLM, attention: str | None = None, ffn: str | 
 def _head(model: K3ForCausalLM, h: torch.Tensor, step) -> torch.Tensor:
     """The step's tail as K3ForCausalLM.forward runs it: final norm of the logits rows, fp32 LM head."""
     y = rms_norm(h[step.logits_indices.long()], model.transformer.ln_f.weight, model.config.rms_norm_eps)
-    cd = compute_dtype(y.dtype)
-    return gather_columns(y.to(cd) @ model.lm_head.weight.to(cd).T, model.parallel)
+    return gather_columns(head_logits(y, model.lm_head.weight), model.parallel)
 
 
 def layer_parts(model: K3ForCausalLM, caches: K3Caches, step) -> dict[str, callable]:
@@ -586,26 +587,27 @@ def bitwise_diffs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> lis
     return out
 
 
-def repeat_case(executor: TorchExecutor, caches: K3Caches, step, graph_executor: TorchExecutor | None = None) -> dict:
+def repeat_case(executor: TorchExecutor, caches: K3Caches, step, decode: bool,
+                graph_executor: TorchExecutor | None = None) -> dict:
     """Runs ``step`` twice from the same caches through the (eager) executor and compares
     the two runs bitwise. With ``graph_executor`` (a decode step on a GPU) it also runs the
     step as a CUDA-graph replay (the executor's first call of a shape captures, the second
     replays) and compares that with the eager step at the same padded block-table width, and
     the padded eager step with the unpadded one. Leaves the caches as it found them."""
     before = snapshot(caches)
-    first = {"logits": executor.execute(step).clone(), **snapshot(caches)}
+    first = {"logits": executor.execute(step, decode).clone(), **snapshot(caches)}
     restore(caches, before)
-    second = {"logits": executor.execute(step), **pool_tensors(caches)}
+    second = {"logits": executor.execute(step, decode), **pool_tensors(caches)}
     result = {"tokens": step.num_tokens, "seqs": step.num_seqs, "repeat_diffs": bitwise_diffs(first, second)}
     if graph_executor is not None:
         padded = pad_block_tables(step, padded_width(step.block_tables.shape[1]))
         restore(caches, before)
-        eager_padded = {"logits": executor.execute(padded).clone(), **snapshot(caches)}
+        eager_padded = {"logits": executor.execute(padded, decode).clone(), **snapshot(caches)}
         restore(caches, before)
-        graph_executor.execute(step)  # eager + capture
+        graph_executor.execute(step, decode)  # eager + capture
         restore(caches, before)
         replays = graph_executor.graph_replays
-        replayed = {"logits": graph_executor.execute(step), **pool_tensors(caches)}
+        replayed = {"logits": graph_executor.execute(step, decode), **pool_tensors(caches)}
         if graph_executor.graph_replays != replays + 1:
             raise BenchError("the graph executor did not replay a graph for a decode step")
         result["graph_vs_eager_diffs"] = bitwise_diffs(eager_padded, replayed)
@@ -637,11 +639,10 @@ def run_repeat_check(cfg, par, device, args) -> dict:
     gen = torch.Generator().manual_seed(args.seed)
     report = {}
     for name, entries in cases.items():
-        step = make_step(entries, layout, par.tp_local(cfg.vocab_size), gen)
-        is_decode = all(n == 1 and c > 0 for n, c in entries)
-        executor.execute(step)  # warm-up (kernel load, workspaces)
-        graph_executor = TorchExecutor(model, caches, device, cuda_graphs=True) if graphs and is_decode else None
-        report[name] = repeat_case(executor, caches, step, graph_executor)
+        step, decode = make_step(entries, layout, par.tp_local(cfg.vocab_size), gen)
+        executor.execute(step, decode)  # warm-up (kernel load, workspaces)
+        graph_executor = TorchExecutor(model, caches, device, cuda_graphs=True) if graphs and decode else None
+        report[name] = repeat_case(executor, caches, step, decode, graph_executor)
         del graph_executor
         line = (f"repeat-check {name:22s} ({step.num_tokens} tokens): "
                 f"repeat: {describe_diffs(report[name]['repeat_diffs'])}")
@@ -660,31 +661,31 @@ def run_repeat_check(cfg, par, device, args) -> dict:
 def decode_case(executor, caches, model, cfg, par, layout, batch, ctx, copy_bw, gen, args) -> dict:
     """One decode step: floor, eager executor, the executor's CUDA-graph path, per-kind parts."""
     device = executor.device
-    step = make_step([(1, ctx)] * batch, layout, par.tp_local(cfg.vocab_size), gen)
-    rec = record_routing(executor, step)
+    step, decode = make_step([(1, ctx)] * batch, layout, par.tp_local(cfg.vocab_size), gen)
+    rec = record_routing(executor, step, decode)
     floor = decode_floor_bytes(model, cfg, par.shard, rec, batch, ctx,
                                int(step.input_ids.unique().numel()))
     floor_ms = floor["total"] / (copy_bw * 1e9) * 1e3
     kinds = floor_by_kind(model, cfg, par.shard, rec, batch, ctx, floor["total"])
-    eager = time_ms(lambda: executor.execute(step), device, args.iters, args.warmup)
+    eager = time_ms(lambda: executor.execute(step, decode), device, args.iters, args.warmup)
     out = {"batch": batch, "context": ctx, "floor_bytes": floor, "floor_ms": floor_ms,
            "parts_floor_ms": {k: v / (copy_bw * 1e9) * 1e3 for k, v in kinds.items()},
            "experts_touched_per_moe_layer": rec.touched, "eager": eager,
            "eager_pct_of_floor": 100 * floor_ms / eager["median_ms"],
-           "host_ms_eager": host_ms(lambda: executor.execute(step), device, max(3, args.iters // 4))}
+           "host_ms_eager": host_ms(lambda: executor.execute(step, decode), device, max(3, args.iters // 4))}
     profiled = device.type == "cuda" and batch in args.profile_batches and ctx == args.contexts[0]
     if profiled:
-        out["profile_eager"] = profile_step(lambda: executor.execute(step), device)
+        out["profile_eager"] = profile_step(lambda: executor.execute(step, decode), device)
     parts = layer_parts(model, caches, step.to(device))
     out["parts_eager_ms"] = {k: time_ms(fn, device, args.iters, args.warmup)["median_ms"] for k, fn in parts.items()}
     if device.type == "cuda" and not args.no_graph:
         graph_executor = TorchExecutor(model, caches, device, cuda_graphs=True)
-        out["graph"] = time_ms(lambda: graph_executor.execute(step), device, args.iters, max(2, args.warmup))
+        out["graph"] = time_ms(lambda: graph_executor.execute(step, decode), device, args.iters, max(2, args.warmup))
         out["graph_pct_of_floor"] = 100 * floor_ms / out["graph"]["median_ms"]
-        out["host_ms_graph"] = host_ms(lambda: graph_executor.execute(step), device, max(3, args.iters // 4))
+        out["host_ms_graph"] = host_ms(lambda: graph_executor.execute(step, decode), device, max(3, args.iters // 4))
         out["graph_replays"] = graph_executor.graph_replays
         if profiled:
-            out["profile_graph"] = profile_step(lambda: graph_executor.execute(step), device)
+            out["profile_graph"] = profile_step(lambda: graph_executor.execute(step, decode), device)
         del graph_executor
         graphs = {k: Graph(fn, device) for k, fn in parts.items()}
         out["parts_graph_ms"] = {k: time_ms(g.replay, device, args.iters, args.warmup)["median_ms"]
@@ -695,14 +696,14 @@ def decode_case(executor, caches, model, cfg, par, layout, batch, ctx, copy_bw, 
 
 def prefill_case(executor, model, cfg, par, layout, entries, peak_tflops, gen, args) -> dict:
     device = executor.device
-    step = make_step(entries, layout, par.tp_local(cfg.vocab_size), gen)
-    rec = record_routing(executor, step)
+    step, decode = make_step(entries, layout, par.tp_local(cfg.vocab_size), gen)
+    rec = record_routing(executor, step, decode)
     if device.type == "cuda" and entries == [(args.prefill_tokens, 0)]:
-        profile = profile_step(lambda: executor.execute(step), device, steps=1)
+        profile = profile_step(lambda: executor.execute(step, decode), device, steps=1)
     else:
         profile = None
     flops = prefill_flops(model, cfg, entries, rec, step.num_seqs)
-    t = time_ms(lambda: executor.execute(step), device, args.prefill_iters, 1)
+    t = time_ms(lambda: executor.execute(step, decode), device, args.prefill_iters, 1)
     floor_ms = flops["total"] / (peak_tflops * 1e12) * 1e3
     return {"batch": len(entries), "new_tokens_per_seq": entries[0][0], "context": entries[0][1],
             "tokens": step.num_tokens, "flops": flops, "floor_ms": floor_ms, "eager": t,
@@ -891,7 +892,7 @@ def parse_args(argv=None):
                    help="decode batches profiled (kernels by time) at the first context, on a GPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-invariant", action="store_true",
-                   help="run with k3_trtllm.kernels.batch_invariant on (issue 23's mode), to time its cost")
+                   help="run with k3_trtllm.ops.batch_invariant on (issue 23's mode), to time its cost")
     p.add_argument("--repeat-check", action="store_true",
                    help="run each step twice from the same caches and compare bitwise (no timing)")
     p.add_argument("--repeat-batches", type=_int_list, default=[1, 8, 64])
@@ -914,22 +915,33 @@ def write_json(path: str, report: dict) -> None:
         raise
 
 
+
+def bench_device(name: str) -> torch.device:
+    """``--device``: cpu, or cuda with the kernel library installed (without it the slice would
+    time the fp32 reference ops, which says nothing about the kernels)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise BenchError(f"--device {name}: expected cpu or cuda") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise BenchError(f"--device {name}: CUDA is not available")
+        from k3_trtllm.ops.cuda_library import library_path, register_cuda_kernels
+        if not register_cuda_kernels():
+            raise BenchError(f"{library_path()} not built (build_scripts/build_kernels.sh): the slice would "
+                             "run the fp32 reference ops")
+    elif device.type != "cpu":
+        raise BenchError(f"--device {name}: expected cpu or cuda")
+    return device
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        device = torch.device(args.device)
-        if device.type == "cuda":
-            if not torch.cuda.is_available():
-                raise BenchError(f"--device {args.device}: CUDA is not available")
-            from k3_trtllm.kernels import library_path, register_cuda_kernels
-            if not register_cuda_kernels():
-                raise BenchError(f"{library_path()} not built (build_scripts/build_kernels.sh): the slice would "
-                                 "run the fp32 reference ops")
-        elif device.type != "cpu":
-            raise BenchError(f"--device {args.device}: expected cpu or cuda")
+        device = bench_device(args.device)
         if args.batch_invariant:
             try:
-                from k3_trtllm.kernels.batch_invariant import set_batch_invariant
+                from k3_trtllm.ops.batch_invariant import set_batch_invariant
             except ImportError as e:
                 raise BenchError(f"--batch-invariant: {e}") from None
             set_batch_invariant(True)

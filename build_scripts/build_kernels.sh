@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the framework-free CUDA kernels (plugins/kernels/*.cu, C ABI) into one shared
+# Builds the framework-free CUDA kernels (plugins/c_api/*.cu, C ABI) into one shared
 # library that the torch bindings (ctypes) and the TensorRT plugins both use.
 #   build_scripts/build_kernels.sh [OUT_DIR]     (default: build/)
 # Env: NVCC (default nvcc), K3_CUDA_ARCHS (default "90a"), K3_COMPILE_ONLY=1 to stop after
@@ -13,9 +13,9 @@ mkdir -p "$out/obj"
 gencode=()
 for a in $archs; do gencode+=("-gencode" "arch=compute_${a},code=sm_${a}"); done
 shopt -s nullglob
-sources=("$here"/plugins/kernels/*.cu)
+sources=("$here"/plugins/c_api/*.cu)
 if [[ ${#sources[@]} -eq 0 ]]; then
-  echo "no kernel sources in plugins/kernels/" >&2
+  echo "no kernel sources in plugins/c_api/" >&2
   exit 1
 fi
 # One nvcc per source, all at once (each takes tens of seconds; a GPU host has the cores).

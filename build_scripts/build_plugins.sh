@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the TensorRT plugin library libk3_trt_plugins.so: the IPluginV3 plugins in
-# plugins/trt/ over the CUDA kernels in plugins/kernels/ (KDA, MLA, MoE), and
+# plugins/trt/ over the CUDA kernels in plugins/c_api/ (KDA, MLA, MoE), and
 # libk3_trt_harness.so, which drives the plugins the way TensorRT does (tests/gpu/).
 #   TENSORRT_INCLUDE_DIR=/path/to/TensorRT/include build_scripts/build_plugins.sh [OUT_DIR]   (default: build/)
 # Compiles against TensorRT's public headers only and links no TensorRT library (the
@@ -26,7 +26,7 @@ gencode=()
 for a in $archs; do gencode+=("-gencode" "arch=compute_${a},code=sm_${a}"); done
 # Every object compiles at once (the kernel sources take tens of seconds each).
 objs=() pids=()
-for src in "$here"/plugins/kernels/*.cu; do
+for src in "$here"/plugins/c_api/*.cu; do
   o="$obj/$(basename "${src%.cu}").o"
   "$nvcc" -std=c++17 -O3 -Xcompiler -fPIC,-fvisibility=hidden --expt-relaxed-constexpr -lineinfo \
     "${gencode[@]}" -I"$here/plugins/include" -c "$src" -o "$o" &

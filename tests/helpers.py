@@ -1,6 +1,7 @@
 """Helpers shared by several test files (imported as ``helpers``; pytest puts tests/ on sys.path)."""
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import torch
@@ -19,6 +20,13 @@ def dequantized_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
         elif not name.endswith(".weight_scale"):
             out[name] = t
     return out
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port the OS reports free on ``host`` right now (for the multi-process tests' rendezvous)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def live_processes(markers: tuple[str, ...] = (), process_group: int | None = None) -> list[str]:

@@ -1,4 +1,4 @@
-"""The batch-invariant mode's torch overrides (k3_trtllm/kernels/batch_invariant.py), checked
+"""The batch-invariant mode's torch overrides (k3_trtllm/ops/batch_invariant.py), checked
 on the CPU dispatch key (the mode registers them for CUDA, where tests/gpu/test_determinism.py
 runs them on the H200): every overridden op computes what torch computes (to rounding), and a
 row's bits do not depend on how many rows share the call."""
@@ -9,7 +9,7 @@ import contextlib
 import pytest
 import torch
 
-from k3_trtllm.kernels import batch_invariant as bi
+from k3_trtllm.ops import batch_invariant as bi
 
 
 @contextlib.contextmanager

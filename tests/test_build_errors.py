@@ -18,7 +18,7 @@ import numpy
 import pytest
 from click.testing import CliRunner
 
-import k3_trtllm.export.engine_dir as engine_dir
+import k3_trtllm.trt.engine_dir as engine_dir
 from k3_trtllm.cli import main
 from k3_trtllm.trt.bindings import BuilderUnavailable
 from k3_trtllm.trt.builder import PlanBuildError, open_builder

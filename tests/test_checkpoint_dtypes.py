@@ -22,7 +22,7 @@ from k3_trtllm.checkpoint.synth import preset_config, synth_tensors, write_check
 from k3_trtllm.checkpoint.trtllm import load_trtllm_state_dict
 from k3_trtllm.config import load_config, parse_config
 from k3_trtllm.convert import convert_checkpoint
-from k3_trtllm.convert.parallel import Parallel
+from k3_trtllm.checkpoint.rank_layout import RankLayout
 from k3_trtllm.convert.plan import Planner
 from k3_trtllm.convert.reassemble import reassemble
 from k3_trtllm.model import build_step, load_model
@@ -73,7 +73,8 @@ def _pair(tmp_path):
 def _logits(path) -> torch.Tensor:
     model = load_model(path, dtype=torch.bfloat16)
     ids = torch.randint(3, 1024, (20,), generator=torch.Generator().manual_seed(1)).tolist()
-    return model(build_step([(ids, 0, 0, [0, 1, 2])], BS, logits_all=True), model.allocate_caches(4, BS, 1))
+    return model(build_step([(ids, 0, 0, [0, 1, 2])], BS, logits_all=True), model.allocate_caches(4, BS, 1),
+                 decode=False)
 
 
 def _equal_states(a: dict, b: dict) -> None:
@@ -174,7 +175,7 @@ def test_pieces_read_at_most_chunk_bytes_of_the_stored_dtype(ckpt_dir):
     for file_dtype in (None, torch.float32, torch.float64):
         stored = {p.source: file_dtype for t in targets(cfg) for p in t.parts if file_dtype is not None
                   and p.dtypes[0] == torch.bfloat16}
-        planner = Planner(cfg, Parallel(1, 1, cfg.moe.num_experts), list(targets(cfg)), chunk, file_dtypes=stored)
+        planner = Planner(cfg, RankLayout(1, 1, cfg.moe.num_experts), list(targets(cfg)), chunk, file_dtypes=stored)
         for piece in planner.pieces():
             if piece.target.combine not in ROW_WISE or piece.rows is None or piece.rows[1] - piece.rows[0] == 1:
                 continue  # whole parts by design; or one row, the least a piece reads

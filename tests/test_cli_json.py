@@ -72,7 +72,7 @@ def test_run_json_is_strict_with_progress_over_the_prompts(ckpt):
 
 def test_build_quiet_silences_the_stage_messages(ckpt, tmp_path, monkeypatch):
     """The build CLI hands its progress log to the build; --quiet hands a silent one."""
-    from k3_trtllm.export import engine_dir
+    from k3_trtllm.trt import engine_dir
 
     def fake_build(checkpoint, out_dir, limits, *, log, **kwargs):
         log("build: loading x")

@@ -52,8 +52,8 @@ def _prefill_then_decode(model) -> torch.Tensor:
     """Logits of a 21-token prefill (every position) then 4 decode steps."""
     ids = torch.randint(3, 1024, (25,), generator=torch.Generator().manual_seed(7)).tolist()
     caches, table = model.allocate_caches(4, BS, 1), [0, 1]
-    rows = [model(build_step([(ids[:21], 0, 0, table)], BS, logits_all=True), caches)]
-    rows += [model(build_step([([ids[i]], i, 0, table)], BS), caches) for i in range(21, 25)]
+    rows = [model(build_step([(ids[:21], 0, 0, table)], BS, logits_all=True), caches, decode=False)]
+    rows += [model(build_step([([ids[i]], i, 0, table)], BS), caches, decode=True) for i in range(21, 25)]
     return torch.cat(rows)
 
 

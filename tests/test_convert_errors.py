@@ -116,7 +116,7 @@ def test_inconsistent_config(ckpt_dir, tmp_path, out):
 
 
 def test_tp_not_dividing_heads_vocab_and_intermediates(ckpt_dir, out):
-    _fails(ckpt_dir("tiny"), out, ConvertError, "cannot shard the model with --tp 3 --ep 1:\n"
+    _fails(ckpt_dir("tiny"), out, CheckpointError, "cannot shard the model with --tp 3 --ep 1:\n"
            "  linear_attn_config.num_heads = 4 is not divisible by --tp 3\n"
            "  num_attention_heads = 4 is not divisible by --tp 3\n"
            "  vocab_size = 1024 is not divisible by --tp 3\n"
@@ -126,19 +126,19 @@ def test_tp_not_dividing_heads_vocab_and_intermediates(ckpt_dir, out):
 
 
 def test_ep_not_dividing_tp(ckpt_dir, out):
-    _fails(ckpt_dir("tiny"), out, ConvertError, "--tp 2 is not divisible by --ep 4 (expert parallelism subdivides "
+    _fails(ckpt_dir("tiny"), out, CheckpointError, "--tp 2 is not divisible by --ep 4 (expert parallelism subdivides "
            "the tensor-parallel ranks: moe_tp_size = tp / ep)", tp=2, ep=4)
 
 
 def test_ep_not_dividing_experts(ckpt_dir, out):
-    _fails(ckpt_dir("tiny"), out, ConvertError, "cannot shard the model with --tp 16 --ep 16:\n"
+    _fails(ckpt_dir("tiny"), out, CheckpointError, "cannot shard the model with --tp 16 --ep 16:\n"
            "  linear_attn_config.num_heads = 4 is not divisible by --tp 16\n"
            "  num_attention_heads = 4 is not divisible by --tp 16\n"
            "  num_experts = 8 is not divisible by --ep 16", tp=16, ep=16)
 
 
 def test_mxfp4_moe_tp_slice_must_keep_scale_groups(ckpt_dir, out):
-    _fails(ckpt_dir("tiny-mxfp4"), out, ConvertError, "cannot shard the model with --tp 4 --ep 1:\n"
+    _fails(ckpt_dir("tiny-mxfp4"), out, CheckpointError, "cannot shard the model with --tp 4 --ep 1:\n"
            "  moe_intermediate_size = 64 split over moe_tp_size 4 (--tp 4 / --ep 1) gives 16 per rank, not a "
            "multiple of 32 (MXFP4 scale groups)", tp=4)
 
@@ -169,7 +169,7 @@ def test_existing_out_dir_needs_force(ckpt_dir, out):
 def test_interrupted_run_leaves_nothing(interrupt, workers, ckpt_dir, out, monkeypatch):
     """Ctrl-C (or any error) half way: no OUT_DIR, no temp dir, and a --force target (an
     earlier conversion) intact byte for byte."""
-    convert = convert_run._convert_piece
+    convert = convert_run.convert_piece
     calls = []
 
     def flaky(piece, *args):
@@ -181,10 +181,10 @@ def test_interrupted_run_leaves_nothing(interrupt, workers, ckpt_dir, out, monke
     earlier = {}
     for force in (False, True):
         if force:  # the target: an earlier conversion, made without interruption
-            monkeypatch.setattr(convert_run, "_convert_piece", convert)
+            monkeypatch.setattr(convert_run, "convert_piece", convert)
             convert_checkpoint(ckpt_dir("tiny"), out, progress=False)
             earlier = {p.name: p.read_bytes() for p in out.iterdir()}
-        monkeypatch.setattr(convert_run, "_convert_piece", flaky)
+        monkeypatch.setattr(convert_run, "convert_piece", flaky)
         before = sorted(p.name for p in out.parent.iterdir())
         calls.clear()
         with pytest.raises(interrupt):

@@ -1,6 +1,6 @@
 """`k3-trt build` on the converted tiny model (examples/tiny-k3, MXFP4 experts): ONNX
-export, checker, CPU execution of the graph against the torch model, the binding plan
-against the graph, and (with TensorRT-RTX installed) a plan built through the ONNX parser
+export, checker, CPU execution of the graph against the torch model, the build config's
+I/O and pool aliases against the graph, and (with TensorRT-RTX installed) a plan built through the ONNX parser
 with Python creators generated from the contracts.
 
 The engine is built once in fp32: onnx's reference evaluator has no usable bf16 math,
@@ -23,9 +23,9 @@ from k3_trtllm.export.engine_io import engine_inputs, engine_outputs, flatten_st
 from k3_trtllm.export.exporter import check_onnx
 from k3_trtllm.export.schemas import DOMAIN
 from k3_trtllm.model import build_step, load_model
+from k3_trtllm.model.step import is_pure_decode
 from k3_trtllm.ops.contract import ALL_CONTRACTS
 from k3_trtllm.trt.builder import PlanBuildError, build_plan
-from k3_trtllm.trt.executor import binding_plan
 
 BS = 16
 HAVE_RTX = importlib.util.find_spec("tensorrt_rtx_bindings") is not None
@@ -98,7 +98,7 @@ def test_mxfp4_weights_are_the_checkpoint_bytes_viewed_as_int8(engine):
         assert torch.equal(torch.from_numpy(stored.view("uint8")), buffer), name
 
 
-def test_graph_io_is_the_step_contract_and_the_binding_plan(engine):
+def test_graph_io_is_the_step_contract_and_the_build_config(engine):
     ckpt, out = engine
     graph = onnx.load(str(out / "rank0.onnx"), load_external_data=False)
     config = json.loads((out / "config.json").read_text())
@@ -112,17 +112,15 @@ def test_graph_io_is_the_step_contract_and_the_binding_plan(engine):
         assert dims == [d if isinstance(d, int) else "dyn" for d in t.shape], t.name
         if not t.pool:
             assert vi.type.tensor_type.elem_type == int32, t.name
-    plan = binding_plan(config)
-    assert [b.name for b in plan if b.is_input] == [i.name for i in graph.graph.input]
-    assert [b.name for b in plan if not b.is_input] == [o.name for o in graph.graph.output]
-    # each pool is bound as input and as its updated output (same buffer)
-    sources = {}
-    for b in plan:
-        sources.setdefault(b.source, []).append(b.name)
-    pools = [t.name for t in inputs if t.pool]
+    # what an executor binds by name: the config's I/O lists are the graph's, in order
+    assert [t["name"] for t in config["inputs"]] == [i.name for i in graph.graph.input]
+    assert [t["name"] for t in config["outputs"]] == [o.name for o in graph.graph.output]
+    # each pool is an input and, as its `_out` alias, an output (bound to the same buffer)
+    pools = [t["name"] for t in config["inputs"] if "pool" in t]
+    assert pools == [t.name for t in inputs if t.pool]
     assert len(pools) == len(cfg.mla_layer_indices) + 2 * len(cfg.kda_layer_indices)
-    for name in pools:
-        assert sources[f"pool:{name}"] == [name, f"{name}_out"]
+    assert config["aliases"] == {name: f"{name}_out" for name in pools}
+    assert [o.name for o in graph.graph.output][1:] == [f"{name}_out" for name in pools]
 
 
 def test_cpu_execution_of_the_graph_equals_the_torch_model(engine):
@@ -137,12 +135,13 @@ def test_cpu_execution_of_the_graph_equals_the_torch_model(engine):
     pools = [t for t in inputs if t.pool]
     graph = CpuStepGraph(out / "rank0.onnx", inputs)
     ref, onx = model.allocate_caches(8, BS, 3), model.allocate_caches(8, BS, 3)
-    steps = [
-        build_step([(list(range(3, 21)), 0, 0, [0, 1]), (list(range(40, 45)), 0, 2, [2])], BS),
-        build_step([([7], 18, 0, [0, 1]), ([9], 5, 2, [2])], BS),
-        build_step([([8], 19, 0, [0, 1]), ([10], 6, 2, [2])], BS),
-        build_step([([11], 20, 0, [0, 1]), ([4, 5, 6], 0, 1, [3]), ([12], 7, 2, [2])], BS),
+    batches = [
+        [(list(range(3, 21)), 0, 0, [0, 1]), (list(range(40, 45)), 0, 2, [2])],
+        [([7], 18, 0, [0, 1]), ([9], 5, 2, [2])],
+        [([8], 19, 0, [0, 1]), ([10], 6, 2, [2])],
+        [([11], 20, 0, [0, 1]), ([4, 5, 6], 0, 1, [3]), ([12], 7, 2, [2])],
     ]
+    steps = [build_step(seqs, BS) for seqs in batches]
     for i, step in enumerate(steps):
         expected = model(step, ref, decode=False)
         got = graph.run(flatten_step(step), [pool_tensor(onx, p) for p in pools])
@@ -154,9 +153,9 @@ def test_cpu_execution_of_the_graph_equals_the_torch_model(engine):
     decode_ref = model.allocate_caches(8, BS, 3)
     for i, step in enumerate(steps[:3]):
         before = [pool_tensor(decode_ref, p).clone() for p in pools]
-        logits = model(step, decode_ref)
+        logits = model(step, decode_ref, decode=is_pure_decode(batches[i]))
         if i:
-            assert step.is_pure_decode()
+            assert is_pure_decode(batches[i])
             graph_logits = graph.run(flatten_step(step), before)[0]
             # chunked vs recurrent KDA and expanded vs absorbed MLA differ by summation order only
             torch.testing.assert_close(graph_logits, logits, rtol=0, atol=1e-3)

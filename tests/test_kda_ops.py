@@ -332,36 +332,47 @@ def test_zero_length_sequence_keeps_its_state(empty_has_initial_state):
     torch.testing.assert_close(out[4:], alone, rtol=0, atol=0)
 
 
-# 7. bad inputs raise ValueError naming the tensor
+# 7. bad inputs raise ValueError naming the tensor: the contract's check for shapes and
+# dtypes (naming the op), the op's own checks for the values
 _I32 = torch.int32
-_BAD_INPUTS = {  # case: (tensor the message must name, replacement of that tensor)
-    "qkv_width": ("qkv", lambda a: a["qkv"][:, :-1]),
-    "gate_rows": ("gate", lambda a: a["gate"][:-1]),
-    "beta_dtype": ("beta", lambda a: a["beta"].float()),
-    "conv_weight_rows": ("conv_weight", lambda a: a["conv_weight"][:-3]),
-    "dt_bias_width": ("dt_bias", lambda a: a["dt_bias"][:-1]),
-    "conv_state_width": ("conv_state", lambda a: a["conv_state"][:, :, :-1]),
-    "recurrent_state_slots": ("recurrent_state", lambda a: a["recurrent_state"][:1]),
-    "cu_seqlens_int64": ("cu_seqlens", lambda a: a["cu_seqlens"].long()),
-    "cu_seqlens_decreasing": ("cu_seqlens", lambda a: torch.tensor([0, 6, 5, 8], dtype=_I32)),
-    "state_slots_out_of_range": ("state_slots", lambda a: torch.tensor([0, 3, 1], dtype=_I32)),
-    "state_slots_repeated": ("state_slots", lambda a: torch.tensor([1, 1, 0], dtype=_I32)),
-    "has_initial_state_value": ("has_initial_state", lambda a: torch.tensor([0, 2, 1], dtype=_I32)),
+_BAD_INPUTS = {  # case: (tensor the message must name, replacement of that tensor, message after "<op>: ")
+    "qkv_width": ("qkv", lambda a: a["qkv"][:, :-1], r"qkv: shape \[8, 95\], expected \[T, 3\*P\] = \[8, 96\]"),
+    "gate_rows": ("gate", lambda a: a["gate"][:-1], r"gate: shape \[7, 32\], expected \[T, P\] = \[8, 32\]"),
+    "beta_dtype": ("beta", lambda a: a["beta"].float(), "beta: dtype float32, expected act = float64"),
+    "conv_weight_rows": ("conv_weight", lambda a: a["conv_weight"][:-3], r"conv_weight: shape \[93, 4\]"),
+    "dt_bias_width": ("dt_bias", lambda a: a["dt_bias"][:-1], r"dt_bias: shape \[31\], expected \[P\] = \[32\]"),
+    "conv_state_width": ("conv_state", lambda a: a["conv_state"][:, :, :-1],
+                         r"conv_state: shape \[3, 96, 2\], expected \[S, 3\*P, W-1\] = \[3, 96, 3\]"),
+    "recurrent_state_slots": ("recurrent_state", lambda a: a["recurrent_state"][:1],
+                              r"recurrent_state: shape \[1, 2, 16, 16\], expected \[S, H, K, V\] = \[3, 2, 16, 16\] "
+                              r"\(S bound by conv_state"),
+    "cu_seqlens_int64": ("cu_seqlens", lambda a: a["cu_seqlens"].long(), "cu_seqlens: dtype int64, expected int32"),
+    "cu_seqlens_decreasing": ("cu_seqlens", lambda a: torch.tensor([0, 6, 5, 8], dtype=_I32),
+                              "kda: cu_seqlens must be non-decreasing"),
+    "state_slots_out_of_range": ("state_slots", lambda a: torch.tensor([0, 3, 1], dtype=_I32),
+                                 "kda: state_slots must index rows"),
+    "state_slots_repeated": ("state_slots", lambda a: torch.tensor([1, 1, 0], dtype=_I32),
+                             "kda: state_slots must be distinct"),
+    "has_initial_state_value": ("has_initial_state", lambda a: torch.tensor([0, 2, 1], dtype=_I32),
+                                "kda: has_initial_state must hold 0 or 1"),
 }
 
 
 @pytest.mark.parametrize("case", list(_BAD_INPUTS))
 def test_bad_inputs_raise_value_error(case):
     args, attrs = _op_inputs([4, 2, 2], [1, 0, 1], [0, 1, 2], 3, torch.float64, torch.float64, _gen(16))
-    name, replace = _BAD_INPUTS[case]
-    for op in (torch.ops.k3.kda_prefill, torch.ops.k3.kda_decode):
-        with pytest.raises(ValueError, match=name):
-            _run(op, args, attrs, **{name: replace(args)})
+    name, replace, message = _BAD_INPUTS[case]
+    for op in ("kda_prefill", "kda_decode"):
+        prefix = "" if message.startswith("kda: ") else f"k3::{op}: "
+        with pytest.raises(ValueError, match="^" + prefix + message):
+            _run(getattr(torch.ops.k3, op), args, attrs, **{name: replace(args)})
 
 
 def test_bad_attributes_raise_value_error():
     args, _ = _op_inputs([3], [0], [0], 1, torch.float64, torch.float64, _gen(17))
-    with pytest.raises(ValueError, match="qkv"):
+    # head_dim fixes P: qkv's width is then 3*P for the given attributes, not for K
+    with pytest.raises(ValueError, match=rf"k3::kda_prefill: qkv: shape \[3, {3 * P}\], expected \[T, 3\*P\] = "
+                                         rf"\[3, {3 * P // 2}\] \(P bound by num_heads\*head_dim\)"):
         _run(torch.ops.k3.kda_prefill, args, (H, K // 2, -5.0))
     with pytest.raises(ValueError, match="lower_bound"):
         _run(torch.ops.k3.kda_prefill, args, (H, K, -6.0))

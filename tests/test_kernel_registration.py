@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from k3_trtllm import kernels
+from k3_trtllm.ops import cuda_library as kernels
 
 
 def test_missing_library_leaves_the_reference_ops(monkeypatch, tmp_path):

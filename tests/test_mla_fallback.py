@@ -9,10 +9,10 @@ import warnings
 import pytest
 import torch
 
-from k3_trtllm import kernels
-from k3_trtllm.kernels import mla as cuda_mla
+from k3_trtllm.ops import cuda_library as kernels
+from k3_trtllm.ops.mla import cuda as cuda_mla
 from k3_trtllm.model.step import build_step
-from k3_trtllm.ops.mla import op as reference
+from k3_trtllm.ops.mla import reference as reference
 
 BLOCK = 4
 
@@ -47,7 +47,7 @@ def fresh_warnings(monkeypatch):
     ((64, 16, 32, 12), "v_head_dim 12"),
 ])
 def test_dims_decision_mirrors_the_kernels_supported_check(dims, reason):
-    """plugins/kernels/mla.cu supported(): (rank, rope) in {(512, 64), (64, 16)}, nope a
+    """plugins/c_api/mla.cu supported(): (rank, rope) in {(512, 64), (64, 16)}, nope a
     positive multiple of 32, v a positive multiple of 8."""
     got = cuda_mla.unsupported_dims(*dims)
     assert got is None if reason is None else got.startswith(reason), got
@@ -90,7 +90,7 @@ def test_contract_violations_still_raise(fresh_warnings):
     args[1] = args[1][:, :-1]  # latent one column short
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # and no fallback warning first
-        with pytest.raises(ValueError, match="latent: expected"):
+        with pytest.raises(ValueError, match=r"k3::mla_decode: latent: shape \[5, 47\], expected \[T, R\+Dr\] = \[5, 48\]"):
             cuda_mla.mla_decode_cuda(*args)
 
 

@@ -15,6 +15,7 @@ from k3_trtllm.checkpoint.loader import load_hf_state_dict
 from k3_trtllm.checkpoint.synth import preset_config, synth_tensors, write_checkpoint
 from k3_trtllm.config import parse_config
 from k3_trtllm.model import build_step, load_model, model_from_state_dict
+from k3_trtllm.model.step import is_pure_decode
 
 BS = 16  # latent-cache block size used throughout
 F64 = dict(rtol=1e-9, atol=1e-9)
@@ -36,9 +37,9 @@ def _caches_equal(a, b, **tol):
 
 def _incremental(model, ids, prefix, table):
     caches = model.allocate_caches(16, BS, 4)
-    rows = [model(build_step([(ids[:prefix], 0, 0, table)], BS, logits_all=True), caches)]
+    rows = [model(build_step([(ids[:prefix], 0, 0, table)], BS, logits_all=True), caches, decode=False)]
     for i in range(prefix, len(ids)):
-        rows.append(model(build_step([([ids[i]], i, 0, table)], BS), caches))
+        rows.append(model(build_step([([ids[i]], i, 0, table)], BS), caches, decode=True))
     return torch.cat(rows), caches
 
 
@@ -60,7 +61,7 @@ def test_prefix_prefill_then_decode_equals_full_prefill(variant, ckpt_dir, tmp_p
     model = load_model(path, dtype=torch.float64)
     ids, table = _prompt(0, 70), _table(0, 5)  # 70 tokens: crosses the 64-token KDA chunk
     full_caches = model.allocate_caches(16, BS, 4)
-    full = model(build_step([(ids, 0, 0, table)], BS, logits_all=True), full_caches)
+    full = model(build_step([(ids, 0, 0, table)], BS, logits_all=True), full_caches, decode=False)
     incremental, caches = _incremental(model, ids, 65, table)
     torch.testing.assert_close(incremental, full, **F64)
     _caches_equal(full_caches, caches, **F64)
@@ -74,7 +75,7 @@ def test_prefix_then_decode_bf16_close_to_full(ckpt_dir):
     that, and 100x below what a wrong state or cache hand-off gives (O(1))."""
     model = load_model(ckpt_dir("tiny"), dtype=torch.bfloat16)
     ids, table = _prompt(1, 70), _table(0, 5)
-    full = model(build_step([(ids, 0, 0, table)], BS, logits_all=True), model.allocate_caches(16, BS, 4))
+    full = model(build_step([(ids, 0, 0, table)], BS, logits_all=True), model.allocate_caches(16, BS, 4), decode=False)
     incremental, _ = _incremental(model, ids, 65, table)
     rel = (incremental - full).norm() / full.norm()
     assert rel < 1e-2, rel
@@ -93,17 +94,17 @@ def test_mixed_step_equals_each_sequence_alone(ckpt_dir):
         # decode sequences have their prompt minus the last token cached already
         for j, ids in enumerate(decodes):
             if len(ids) > 1:
-                model(build_step([(ids[:-1], 0, slots[3 + j], tables[3 + j])], BS), caches)
+                model(build_step([(ids[:-1], 0, slots[3 + j], tables[3 + j])], BS), caches, decode=False)
 
     batched_caches = model.allocate_caches(40, BS, 8)
     prime(batched_caches)
     seqs = [(ids, 0, slots[i], tables[i]) for i, ids in enumerate(prefills)]
     seqs += [([ids[-1]], len(ids) - 1, slots[3 + j], tables[3 + j]) for j, ids in enumerate(decodes)]
-    batched = model(build_step(seqs, BS), batched_caches)
+    batched = model(build_step(seqs, BS), batched_caches, decode=False)
 
     alone_caches = model.allocate_caches(40, BS, 8)
     prime(alone_caches)
-    alone = torch.cat([model(build_step([s], BS), alone_caches) for s in seqs])
+    alone = torch.cat([model(build_step([s], BS), alone_caches, decode=is_pure_decode([s])) for s in seqs])
     torch.testing.assert_close(batched, alone, **F64)
     _caches_equal(alone_caches, batched_caches, **F64)
 
@@ -120,8 +121,8 @@ def test_mxfp4_model_equals_bf16_model_with_dequantized_experts(ckpt_dir):
     quantized = model_from_state_dict(cfg_q, state_q)
     dequantized = model_from_state_dict(cfg, state)
     step = build_step([(_prompt(3, 40), 0, 0, _table(0, 3)), (_prompt(4, 9), 0, 1, _table(3, 1))], BS)
-    a = quantized(step, quantized.allocate_caches(8, BS, 2))
-    b = dequantized(step, dequantized.allocate_caches(8, BS, 2))
+    a = quantized(step, quantized.allocate_caches(8, BS, 2), decode=False)
+    b = dequantized(step, dequantized.allocate_caches(8, BS, 2), decode=False)
     assert torch.equal(a, b)
 
 
@@ -129,7 +130,7 @@ def test_mxfp4_model_equals_bf16_model_with_dequantized_experts(ckpt_dir):
 def test_synthetic_models_have_healthy_logits(preset, ckpt_dir):
     model = load_model(ckpt_dir(preset), dtype=torch.bfloat16)
     logits = model(build_step([(_prompt(5, 24), 0, 0, _table(0, 2))], BS, logits_all=True),
-                   model.allocate_caches(4, BS, 1))
+                   model.allocate_caches(4, BS, 1), decode=False)
     assert torch.isfinite(logits).all()
     assert 1.0 < logits.std().item() < 5.0
     # not a flat model: different positions predict different tokens
@@ -140,4 +141,5 @@ def test_nested_checkpoint_equals_flat(ckpt_dir):
     flat = load_model(ckpt_dir("tiny"), dtype=torch.float32)
     nested = load_model(ckpt_dir("tiny-nested"), dtype=torch.float32)
     step = build_step([(_prompt(6, 12), 0, 0, _table(0, 1))], BS)
-    assert torch.equal(flat(step, flat.allocate_caches(2, BS, 1)), nested(step, nested.allocate_caches(2, BS, 1)))
+    assert torch.equal(flat(step, flat.allocate_caches(2, BS, 1), decode=False),
+                       nested(step, nested.allocate_caches(2, BS, 1), decode=False))

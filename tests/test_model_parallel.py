@@ -19,7 +19,8 @@ import torch.multiprocessing as mp
 from k3_trtllm.checkpoint.hf import CheckpointError
 from k3_trtllm.convert import convert_checkpoint
 from k3_trtllm.model import build_step, load_model
-from k3_trtllm.utils.net import free_port
+
+from helpers import free_port
 
 BS = 16
 WORLD = 2
@@ -36,10 +37,11 @@ def _prefill_then_two_decodes(model) -> torch.Tensor:
     a, b = _prompt(1, 23), _prompt(2, 11)
     tables = [[0, 1], [2]]
     caches = model.allocate_caches(4, BS, 2)
-    rows = [model(build_step([(a[:21], 0, 0, tables[0]), (b[:9], 0, 1, tables[1])], BS, logits_all=True), caches)]
+    rows = [model(build_step([(a[:21], 0, 0, tables[0]), (b[:9], 0, 1, tables[1])], BS, logits_all=True), caches,
+                  decode=False)]
     for i in range(2):
         rows.append(model(build_step([([a[21 + i]], 21 + i, 0, tables[0]), ([b[9 + i]], 9 + i, 1, tables[1])], BS),
-                          caches))
+                          caches, decode=True))
     return torch.cat(rows)
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from k3_trtllm.ops.contract import SITU_MOE, SITU_MOE_MXFP4
-from k3_trtllm.ops.moe import dequantize_mxfp4, op, quantize_mxfp4, route
+from k3_trtllm.ops.moe import dequantize_mxfp4, quantize_mxfp4, reference, route
 
 T, D, L, I = 20, 64, 64, 64
 
@@ -273,8 +273,8 @@ def test_situ_saturates():
 # ---------------------------------------------------------------------------
 # 6. Contract conformance and input validation.
 # ---------------------------------------------------------------------------
-@pytest.mark.parametrize("contract,fn", [(SITU_MOE, op.situ_moe_reference),
-                                         (SITU_MOE_MXFP4, op.situ_moe_mxfp4_reference)])
+@pytest.mark.parametrize("contract,fn", [(SITU_MOE, reference.situ_moe_reference),
+                                         (SITU_MOE_MXFP4, reference.situ_moe_mxfp4_reference)])
 def test_reference_signature_follows_contract(contract, fn):
     names = [t.name for t in contract.inputs] + [a.name for a in contract.attrs]
     assert list(inspect.signature(fn).parameters) == names
@@ -291,18 +291,23 @@ def test_opcheck_schema_and_fake():
 def _bad_bf16_cases():
     """(tensor replacements, attribute overrides, expected message)."""
     _, z, router_weight, bias, w13, w2 = make_inputs(8, torch.bfloat16, seed=71)
-    yield dict(w13=torch.zeros(8, 2 * I + 32, L, dtype=torch.bfloat16)), {}, r"w13: rows 160 != 2 \* I"
-    yield dict(w2=w2[:7]), {}, r"w2: expected \[El, L, I\] with El = 8"
-    yield dict(w13=w13[..., :32]), {}, "w13: input dim 32 != L = 64"
-    yield dict(w2=w2.float()), {}, "w2: expected the activation dtype"
-    yield dict(z=z[:-1]), {}, "z: expected"
-    yield dict(z=z.float()), {}, "z: expected the activation dtype"
-    yield dict(router_weight=router_weight[:7]), {}, "router_weight: expected"
-    yield dict(router_weight=router_weight.bfloat16()), {}, "router_weight: expected fp32"
-    yield dict(correction_bias=bias[:4]), {}, "correction_bias: expected"
+    # w13 binds I = 80 (its first occurrence), so w2 is the one that disagrees
+    yield (dict(w13=torch.zeros(8, 2 * I + 32, L, dtype=torch.bfloat16)), {},
+           r"k3::situ_moe: w2: shape \[8, 64, 64\], expected \[El, L, I\] = \[8, 64, 80\] \(.*I bound by w13\)")
+    yield dict(w2=w2[:7]), {}, r"k3::situ_moe: w2: shape \[7, 64, 64\], expected \[El, L, I\] = \[8, 64, 64\]"
+    yield (dict(w13=w13[..., :32]), {},
+           r"k3::situ_moe: w13: shape \[8, 128, 32\], expected \[El, 2\*I, L\] = \[8, 128, 64\] \(L bound by z\)")
+    yield dict(w2=w2.float()), {}, r"k3::situ_moe: w2: dtype float32, expected act = bfloat16 \(.*set by x\)"
+    yield dict(z=z[:-1]), {}, r"k3::situ_moe: z: shape \[19, 64\], expected \[T, L\] = \[20, L\] \(T bound by x\)"
+    yield dict(z=z.float()), {}, "k3::situ_moe: z: dtype float32, expected act = bfloat16"
+    yield (dict(router_weight=router_weight[:7]), {},
+           r"k3::situ_moe: router_weight: shape \[7, 64\], expected \[E, D\] = \[8, 64\]")
+    yield dict(router_weight=router_weight.bfloat16()), {}, "k3::situ_moe: router_weight: dtype bfloat16, expected fp32"
+    yield dict(correction_bias=bias[:4]), {}, r"k3::situ_moe: correction_bias: shape \[4\], expected \[E\] = \[8\]"
     yield {}, dict(top_k=9), "top_k: expected 1 <= top_k <= num_experts = 8"
+    yield dict(w13=w13[:0], w2=w2[:0]), {}, r"w13: expected at least one local expert \(El >= 1\)"
     yield {}, dict(expert_offset=1), "expert_offset: experts 1 .. 8 do not fit"
-    yield {}, dict(num_experts=16), "router_weight: expected"
+    yield {}, dict(num_experts=16), r"router_weight: shape \[8, 64\], expected \[E, D\] = \[16, 64\] \(E bound by num_experts"
     yield {}, dict(num_expert_group=4, topk_group=5), "topk_group: expected"
     yield {}, dict(num_expert_group=4, topk_group=1, top_k=3), "top_k: 3 exceeds the 2 experts"
     yield {}, dict(scoring=2), "scoring: expected 0 or 1"
@@ -330,14 +335,18 @@ def test_bad_mxfp4_inputs_raise_value_error():
     good = dict(zip(("w13_packed", "w13_scale"), quantize_mxfp4(w13))) | dict(
         zip(("w2_packed", "w2_scale"), quantize_mxfp4(w2)))
     cases = [
-        (dict(w13_scale=good["w13_scale"][..., :1]), r"w13_scale: expected shape \[8, 128, 2\]"),
-        (dict(w2_packed=good["w2_packed"].to(torch.int8)), "w2_packed: expected dtype uint8"),
+        (dict(w13_scale=good["w13_scale"][..., :1]),
+         r"k3::situ_moe_mxfp4: w13_scale: shape \[8, 128, 1\], expected \[El, 2\*I, L/32\] = \[8, 128, 2\]"),
+        (dict(w2_packed=good["w2_packed"].to(torch.int8)), "k3::situ_moe_mxfp4: w2_packed: dtype int8, expected uint8"),
         (dict(w13_packed=good["w13_packed"][..., :16], w13_scale=good["w13_scale"][..., :1]),
-         "w13_packed: input dim 32 != L = 64"),
+         r"w13_packed: shape \[8, 128, 16\], expected \[El, 2\*I, L/2\] = \[8, 128, 32\] \(L bound by z\)"),
+        # w13_packed binds I = 64, so the shorter w2 pair disagrees
         (dict(w2_packed=good["w2_packed"][..., :16], w2_scale=good["w2_scale"][..., :1]),
-         r"w13_packed: rows 128 != 2 \* I = 2 \* 32"),
-        (dict(w2_packed=good["w2_packed"][..., :24], w2_scale=good["w2_scale"][..., :1]),
-         "w2_packed: last dim 24 unpacks to N = 48"),
+         r"w2_packed: shape \[8, 64, 16\], expected \[El, L, I/2\] = \[8, 64, 32\] \(.*I bound by w13_packed\)"),
+        # I = 24 has no whole number of 32-element scale groups
+        (dict(w13_packed=good["w13_packed"][:, :48], w13_scale=good["w13_scale"][:, :48],
+              w2_packed=good["w2_packed"][..., :12], w2_scale=good["w2_scale"][..., :1]),
+         r"w2_scale: shape \[8, 64, 1\], expected \[El, L, I/32\] = \[8, 64, 0.75\]"),
     ]
     for overrides, message in cases:
         w = good | overrides

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from k3_trtllm.ops.moe.mxfp4 import check_mxfp4_pair, dequantize_mxfp4, quantize_mxfp4
+from k3_trtllm.mxfp4 import check_mxfp4_pair, dequantize_mxfp4, quantize_mxfp4
 
 MAGNITUDES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from k3_trtllm.model import layers as model_layers
-from k3_trtllm.ops.moe import op as moe_op
+from k3_trtllm.ops.moe import reference as moe_op
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny-k3" / "config.json"
@@ -69,9 +69,9 @@ def test_decode_floor_counts_weights_touched_experts_states_and_latent(rank, mon
     cfg, par, layout, model, caches, executor = rank
     gen = torch.Generator().manual_seed(1)
     batch, ctx = 16, 20
-    step = rs.make_step([(1, ctx)] * batch, layout, 512, gen)
+    step, decode = rs.make_step([(1, ctx)] * batch, layout, 512, gen)
     op_ids = _routing_used_by_the_op(monkeypatch)
-    rec = rs.record_routing(executor, step)
+    rec = rs.record_routing(executor, step, decode)
     moe_layers = sorted(rec.touched)
     assert len(op_ids) == len(moe_layers) == 3
     for layer, ids in zip(moe_layers, op_ids):
@@ -103,7 +103,7 @@ def test_prefill_flops_match_the_products_the_step_ran(rank, monkeypatch):
     cfg, par, layout, model, caches, executor = rank
     gen = torch.Generator().manual_seed(2)
     entries = [(24, 0), (8, 16)]
-    step = rs.make_step(entries, layout, 512, gen)
+    step, decode = rs.make_step(entries, layout, 512, gen)
     op_ids = _routing_used_by_the_op(monkeypatch)
     linear_flops = []
     real_linear = model_layers.linear
@@ -112,7 +112,7 @@ def test_prefill_flops_match_the_products_the_step_ran(rank, monkeypatch):
         linear_flops.append(2 * (x.numel() // x.shape[-1]) * w.numel())
         return real_linear(x, w, *a)
     monkeypatch.setattr(model_layers, "linear", counting_linear)
-    rec = rs.record_routing(executor, step)
+    rec = rs.record_routing(executor, step, decode)
     flops = rs.prefill_flops(model, cfg, entries, rec, step.num_seqs)
     tokens = step.num_tokens
     router = sum(2 * tokens * model.transformer.layers[i].mlp.router.weight.numel() for i in rec.touched)
@@ -147,8 +147,8 @@ def test_repeat_check_is_bitwise_equal_on_the_reference_ops(rank):
     gen = torch.Generator().manual_seed(3)
     before = rs.snapshot(caches)
     for entries in ([(1, 20)] * 3, [(1, 20)] * 2 + [(12, 0)]):
-        step = rs.make_step(entries, layout, 512, gen)
-        r = rs.repeat_case(executor, caches, step)
+        step, decode = rs.make_step(entries, layout, 512, gen)
+        r = rs.repeat_case(executor, caches, step, decode)
         assert r["repeat_diffs"] == []
     assert rs.bitwise_diffs(before, rs.pool_tensors(caches)) == []  # caches left as found
 
@@ -160,8 +160,8 @@ class _FlakyExecutor:
         self.inner, self.caches, self.calls = inner, caches, 0
         self.device, self.model = inner.device, inner.model
 
-    def execute(self, step):
-        out = self.inner.execute(step)
+    def execute(self, step, decode):
+        out = self.inner.execute(step, decode)
         self.calls += 1
         if self.calls == 2:
             self.caches.recurrent[1][0, 0, 0, :3] += 1e-3
@@ -170,8 +170,8 @@ class _FlakyExecutor:
 
 def test_repeat_check_finds_and_names_a_planted_difference(rank):
     cfg, par, layout, model, caches, executor = rank
-    step = rs.make_step([(1, 20)] * 2, layout, 512, torch.Generator().manual_seed(4))
-    r = rs.repeat_case(_FlakyExecutor(executor, caches), caches, step)
+    step, decode = rs.make_step([(1, 20)] * 2, layout, 512, torch.Generator().manual_seed(4))
+    r = rs.repeat_case(_FlakyExecutor(executor, caches), caches, step, decode)
     assert [d["tensor"] for d in r["repeat_diffs"]] == ["recurrent[1]"]
     d = r["repeat_diffs"][0]
     assert d["elements_differing"] == 3 and d["max_abs_diff"] == pytest.approx(1e-3, rel=1e-3)
@@ -222,15 +222,16 @@ def test_padded_block_tables_change_nothing_but_the_launch_shape(rank):
     from k3_trtllm.runtime.executor import pad_block_tables, padded_width
     assert [padded_width(w) for w in (1, 2, 3, 4, 5, 33, 64)] == [1, 2, 4, 4, 8, 64, 64]
     cfg, par, layout, model, caches, executor = rank
-    step = rs.make_step([(1, 20), (1, 36)], layout, 512, torch.Generator().manual_seed(5))
+    step, decode = rs.make_step([(1, 20), (1, 36)], layout, 512, torch.Generator().manual_seed(5))
+    assert decode
     assert step.block_tables.shape[1] == 3
     padded = pad_block_tables(step, 8)
     assert padded.block_tables.shape[1] == 8 and (padded.block_tables[:, 3:] == 0).all()
     assert torch.equal(padded.block_tables[:, :3], step.block_tables)
     before = rs.snapshot(caches)
-    ref = {"logits": executor.execute(step).clone(), **rs.snapshot(caches)}
+    ref = {"logits": executor.execute(step, decode).clone(), **rs.snapshot(caches)}
     rs.restore(caches, before)
-    got = {"logits": executor.execute(padded), **rs.pool_tensors(caches)}
+    got = {"logits": executor.execute(padded, decode), **rs.pool_tensors(caches)}
     assert rs.bitwise_diffs(ref, got) == []
     rs.restore(caches, before)
 

@@ -5,23 +5,23 @@ import torch
 from k3_trtllm.checkpoint.synth import preset_config
 from k3_trtllm.config import parse_config
 from k3_trtllm.model import K3Caches
-from k3_trtllm.runtime.cache_budget import GIB, size_pools
+from k3_trtllm.runtime.block_manager import GIB, size_pools
 
 
 def test_explicit_counts_win():
     assert size_pools(100, 1000, block_size=16, max_batch_size=8, max_seq_len=64,
-                      num_blocks=3, max_slots=2) == (3, 2)
+                      num_blocks=3, max_slots=2) == (3, 2, 0)
 
 
 def test_budget_split_between_slots_and_blocks():
     # Slots for the whole batch fit in half the budget; blocks take the rest.
     pools = size_pools(1 << 20, 1 << 20, block_size=16, max_batch_size=8, max_seq_len=1 << 20,
                        cache_memory_gb=64 / 1024)
-    assert pools == (64 - 8, 8)
+    assert pools == (64 - 8, 8, 0)
     # Slots are held to half the budget; an explicit slot count is kept.
     pools = size_pools(1 << 20, 10 << 20, block_size=16, max_batch_size=8, max_seq_len=1 << 20,
                        cache_memory_gb=64 / 1024)
-    assert pools == (64 - 30, 3)
+    assert pools == (64 - 30, 3, 0)
     assert size_pools(1 << 20, 10 << 20, block_size=16, max_batch_size=8, max_seq_len=1 << 20,
                       cache_memory_gb=64 / 1024, max_slots=5).num_blocks == 64 - 50
     # No more blocks than max_slots sequences of max_seq_len can fill.

@@ -9,7 +9,7 @@ from k3_trtllm.cli import main
 from k3_trtllm.model import K3Caches, load_model
 from k3_trtllm.runtime.engine import EngineConfig, LLMEngine
 from k3_trtllm.runtime.executor import TorchExecutor
-from k3_trtllm.runtime.sampling import SamplingParams
+from k3_trtllm.runtime.sequence import SamplingParams
 
 POOL = ["--dtype", "float32", "--device", "cpu", "--num-blocks", "64", "--max-slots", "4", "--block-size", "8"]
 

@@ -11,7 +11,7 @@ import torch
 from k3_trtllm.model import K3Caches, load_model
 from k3_trtllm.runtime.engine import EngineConfig, LLMEngine
 from k3_trtllm.runtime.executor import TorchExecutor
-from k3_trtllm.runtime.sampling import SamplingParams
+from k3_trtllm.runtime.sequence import SamplingParams
 
 PROMPT_LENS = [1, 2, 3, 5, 7, 8, 9, 12, 15, 16, 17, 20, 24, 31, 33, 40]
 BLOCK_SIZE = 4

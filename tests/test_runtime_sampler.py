@@ -5,8 +5,7 @@ import torch
 import pytest
 
 from k3_trtllm.runtime.sampler import Sampler, top_k_top_p_probs
-from k3_trtllm.runtime.sampling import SamplingParams
-from k3_trtllm.runtime.sequence import Sequence
+from k3_trtllm.runtime.sequence import SamplingParams, Sequence
 
 
 def seqs_for(params_list):

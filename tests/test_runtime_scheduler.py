@@ -1,11 +1,9 @@
 """Scheduler, block manager and state slots, driven by hand (no model)."""
 import pytest
 
-from k3_trtllm.runtime.block_manager import BlockManager
-from k3_trtllm.runtime.sampling import SamplingParams
+from k3_trtllm.runtime.block_manager import BlockManager, StateSlots
+from k3_trtllm.runtime.sequence import SamplingParams, Sequence, SequenceStatus
 from k3_trtllm.runtime.scheduler import Scheduler
-from k3_trtllm.runtime.sequence import Sequence, SequenceStatus
-from k3_trtllm.runtime.state_slots import StateSlots
 
 EOS = 2
 

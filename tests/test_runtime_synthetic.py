@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from k3_trtllm.model.step import build_step
+from k3_trtllm.model.step import build_step, is_pure_decode
 from k3_trtllm.runtime.engine import EngineConfig, LLMEngine
-from k3_trtllm.runtime.sampling import SamplingParams
-from k3_trtllm.runtime.synthetic_executor import SyntheticExecutor
+from k3_trtllm.runtime.sequence import SamplingParams
+from k3_trtllm.runtime.testing.synthetic_executor import SyntheticExecutor
 
 VOCAB = 64
 EOS = 2
@@ -38,12 +38,37 @@ def run_alone(prompts, params):
 
 def test_checker_catches_a_block_shared_by_two_sequences():
     ex = SyntheticExecutor(VOCAB, num_blocks=4, block_size=2, max_slots=2)
-    ex.execute(build_step([([5, 6], 0, 0, [0]), ([7, 8], 0, 1, [1])], 2))
+    ex.execute(build_step([([5, 6], 0, 0, [0]), ([7, 8], 0, 1, [1])], 2), decode=False)
     # Sequence 1 now claims block 0, which holds sequence 0's tokens.
     with pytest.raises(ValueError, match="disagrees with state row"):
-        ex.execute(build_step([([9], 2, 1, [0, 2])], 2))
+        ex.execute(build_step([([9], 2, 1, [0, 2])], 2), decode=True)
     with pytest.raises(ValueError, match="holds 2 tokens, context_lens says 3"):
-        ex.execute(build_step([([9], 3, 0, [0, 2])], 2))
+        ex.execute(build_step([([9], 3, 0, [0, 2])], 2), decode=True)
+
+
+@pytest.mark.parametrize("seqs,decode", [
+    ([([5], 0, 0, [0])], False),  # one token, but no cached context: a prefill
+    ([([5], 2, 0, [0, 1]), ([6, 7], 0, 1, [2])], False),  # a decode token beside a prompt
+    ([([5], 2, 0, [0, 1]), ([6], 1, 1, [2])], True),
+])
+def test_the_phase_is_decided_once_from_the_host_lists(seqs, decode):
+    """``is_pure_decode`` decides from build_step's Python input, with no tensor read; the
+    synthetic executor checks that the phase it is given is the step's, both ways."""
+    assert is_pure_decode(seqs) is decode
+    step = build_step(seqs, 2)
+    with pytest.raises(ValueError, match=f"given phase {'prefill' if decode else 'decode'}"):
+        SyntheticExecutor(VOCAB, num_blocks=4, block_size=2, max_slots=2).execute(step, not decode)
+
+
+def test_the_runner_passes_the_phase_it_decided():
+    """Every step of a run reaches the executor with the runner's phase: decode steps once the
+    prompts are in, prefill before (the synthetic executor raises on a wrong one)."""
+    engine = make_engine(max_batch_size=4)
+    phases = []
+    execute = engine.runner.executor.execute
+    engine.runner.executor.execute = lambda step, decode: phases.append(decode) or execute(step, decode)
+    engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
+    assert phases == [False, True, True, True]  # both prompts in one step, then three decodes
 
 
 def test_256_random_requests_arriving_over_time_all_finish_and_free_everything():

@@ -32,18 +32,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from click.testing import CliRunner
-from helpers import live_processes
+from helpers import free_port, live_processes
 
 from k3_trtllm.checkpoint.trtllm import load_trtllm_state_dict
 from k3_trtllm.cli.bench import bench as bench_command
 from k3_trtllm.convert import convert_checkpoint
-from k3_trtllm.model import build_step
-from k3_trtllm.model.parallel import shard_hf_checkpoint
-from k3_trtllm.model.step import PACKED_SHAPE_LEN, pack_step, step_shapes, unpack_step
-from k3_trtllm.runtime.distributed import TIMEOUT_ENV, BroadcastExecutor
+from k3_trtllm.model import Parallel, build_step
+from k3_trtllm.convert.in_memory import shard_hf_checkpoint
+from k3_trtllm.model.step import is_pure_decode, pack_step, step_shapes, unpack_step
+from k3_trtllm.runtime.distributed import HEADER_LEN, TIMEOUT_ENV, BroadcastExecutor, RankGroup, worker_loop
 from k3_trtllm.runtime.engine import build_engine
-from k3_trtllm.runtime.sampling import SamplingParams
-from k3_trtllm.utils.net import free_port
+from k3_trtllm.runtime.sequence import SamplingParams
 
 K3_TRT = str(Path(sys.executable).with_name("k3-trt"))
 PROMPTS = [torch.randint(3, 1024, (3 + 5 * (i % 8),), generator=torch.Generator().manual_seed(i)).tolist()
@@ -100,7 +99,8 @@ def test_hf_checkpoint_sharded_at_load_is_the_converters_rank_files(preset, tp, 
     convert_checkpoint(ckpt_dir(preset), tmp_path / "c", tp, ep, progress=False)
     for rank in range(tp):
         _, expected, _ = load_trtllm_state_dict(tmp_path / "c", rank)
-        _, state, parallel = shard_hf_checkpoint(ckpt_dir(preset), tp, ep, rank)
+        _, state, layout = shard_hf_checkpoint(ckpt_dir(preset), tp, ep, rank)
+        parallel = Parallel.from_layout(layout, rank)
         assert (parallel.tp_rank, parallel.moe_ep_size, parallel.moe_ep_rank) == (rank, ep, rank % ep)
         assert state.keys() == expected.keys()
         for name, tensor in expected.items():
@@ -273,7 +273,7 @@ def _header_worker(rank: int, port: int, out: str) -> None:
     start = time.monotonic()
     try:
         BroadcastExecutor._send_header(SimpleNamespace(group=SimpleNamespace(control=control)),
-                                       torch.zeros(1 + PACKED_SHAPE_LEN, dtype=torch.int32))
+                                       torch.zeros(HEADER_LEN, dtype=torch.int32))
         result = "sent"
     except RuntimeError as e:
         result = str(e)
@@ -290,3 +290,47 @@ def test_rank0_does_not_wait_forever_on_a_header_nobody_receives(tmp_path):
     got = json.loads(out.read_text())
     assert got["result"] == "the step header was not received within 2 s"
     assert 2 <= got["seconds"] < 5
+
+
+class _PhaseRecorder:
+    """An executor that records the phase each step reaches it with."""
+
+    vocab_size, device = 8, torch.device("cpu")
+
+    def __init__(self):
+        self.phases = []
+
+    def execute(self, step, decode):
+        self.phases.append(decode)
+        return torch.zeros(step.logits_indices.shape[0], self.vocab_size)
+
+
+PHASE_STEPS = [[([5, 6], 0, 0, [0]), ([7], 0, 1, [1])],  # prompts: prefill
+               [([8], 2, 0, [0]), ([9], 1, 1, [1])],  # a pure decode
+               [([8], 0, 0, [0]), ([9], 1, 1, [1])]]  # one token each, one with no context: prefill
+
+
+def _phase_worker(rank: int, port: int, out: str) -> None:
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    group = RankGroup(rank, 2, torch.device("cpu"), dist.new_group(backend="gloo"), store, owned=False)
+    recorder = _PhaseRecorder()
+    if rank == 0:
+        executor = BroadcastExecutor(recorder, group)
+        for seqs in PHASE_STEPS:
+            executor.execute(build_step(seqs, 4), is_pure_decode(seqs))
+        executor.close()  # the stop header ends the worker's loop
+    else:
+        worker_loop(recorder, group)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(recorder.phases))
+    dist.destroy_process_group()
+
+
+def test_every_rank_runs_a_step_in_the_phase_rank0_decided(tmp_path):
+    """The phase travels in the step header: a worker runs each step with rank 0's decision,
+    never re-deriving it from the tensors."""
+    mp.start_processes(_phase_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    expected = [False, True, False]
+    assert [is_pure_decode(seqs) for seqs in PHASE_STEPS] == expected
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == expected, rank

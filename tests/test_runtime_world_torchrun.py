@@ -13,11 +13,10 @@ import time
 from pathlib import Path
 
 from click.testing import CliRunner
-from helpers import live_processes
+from helpers import free_port, live_processes
 
 from k3_trtllm.cli.run import run as run_command
 from k3_trtllm.convert import convert_checkpoint
-from k3_trtllm.utils.net import free_port
 
 BIN = Path(sys.executable).parent
 ARGS = ["--prompt-ids", "5,6,7", "--prompt-ids", "9,10,11,12,13", "--prompt-ids", "700", "--max-new-tokens", "8",

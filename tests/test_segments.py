@@ -31,11 +31,12 @@ from k3_trtllm.export.segments import KINDS, SegmentPlan, World, check_segment
 from k3_trtllm.model import K3Caches, build_step, load_model
 from k3_trtllm.runtime.engine import EngineConfig, LLMEngine
 from k3_trtllm.runtime.executor import TorchExecutor
-from k3_trtllm.runtime.sampling import SamplingParams
+from k3_trtllm.runtime.sequence import SamplingParams
 from k3_trtllm.trt.engine_executor import EngineExecutor
 from k3_trtllm.trt.segment_build import build_segmented_engine_dir
 from k3_trtllm.trt.profiles import BuildLimits
-from k3_trtllm.utils.net import free_port
+
+from helpers import free_port
 
 BS = 4
 LIMITS = ["--max-batch-size", "8", "--max-num-tokens", "64", "--max-seq-len", "64", "--block-size", str(BS)]
@@ -178,9 +179,14 @@ def test_engine_executor_step_equals_the_model(world1):
     model = load_model(ckpt, dtype=torch.float32)
     ref = model.allocate_caches(12, BS, 3)
     ex = EngineExecutor(engine, num_blocks=12, max_slots=3)
-    for i, step in enumerate(_steps()):
-        torch.testing.assert_close(ex.execute(step), model(step, ref, decode=False), rtol=0, atol=2e-4,
+    run, profiles = ex.backend.run, []
+    ex.backend.run = lambda kind, feeds, outs, phase: profiles.append(phase) or run(kind, feeds, outs, phase)
+    for i, (step, decode) in enumerate(zip(_steps(), PHASES)):
+        torch.testing.assert_close(ex.execute(step, decode), model(step, ref, decode=False), rtol=0, atol=2e-4,
                                    msg=f"logits of step {i}")
+        # every segment of a step runs on the profile of the phase the caller decided
+        assert set(profiles) == {"decode" if decode else "prefill"}, (i, set(profiles))
+        profiles.clear()
     for pool in ("latent", "conv", "recurrent"):
         for layer, t in getattr(ref, pool).items():
             torch.testing.assert_close(getattr(ex.caches, pool)[layer], t, rtol=0, atol=2e-4, msg=f"{pool} {layer}")
@@ -300,6 +306,9 @@ def test_run_names_a_damaged_engine_config_field(world1, tmp_path):
     assert len(out.strip().splitlines()) == 1
 
 
+PHASES = [False, True, False]  # of _steps(): a prefill, a pure decode, decodes beside a prompt
+
+
 def _steps() -> list:
     return [build_step([(list(range(3, 21)), 0, 0, [0, 1, 2, 3, 4]), (list(range(40, 45)), 0, 2, [5, 6])], BS),
             build_step([([7], 18, 0, [0, 1, 2, 3, 4]), ([9], 5, 2, [5, 6])], BS),
@@ -311,7 +320,7 @@ def _variant_worker(rank: int, port: int, engine_dir: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         ex = EngineExecutor(engine_dir, num_blocks=12, max_slots=3)
-        torch.save([ex.execute(step) for step in _steps()], f"{out}/rank{rank}.pt")
+        torch.save([ex.execute(step, decode) for step, decode in zip(_steps(), PHASES)], f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 

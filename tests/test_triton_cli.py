@@ -14,10 +14,9 @@ import numpy as np
 import pytest
 
 from click.testing import CliRunner
-from helpers import live_processes
+from helpers import free_port, live_processes
 
 from k3_trtllm.cli import main
-from k3_trtllm.utils.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny-k3"

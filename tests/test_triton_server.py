@@ -18,7 +18,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 from click.testing import CliRunner
-from helpers import live_processes
+from helpers import free_port, live_processes
 from tritonclient.utils import np_to_triton_dtype
 
 from k3_trtllm.cli.run import run as run_command
@@ -27,7 +27,6 @@ from k3_trtllm.runtime.tokenizer import ByteTokenizer
 from k3_trtllm.serve.protocol import parse_request
 from k3_trtllm.serve.repository import write_model_repository
 from k3_trtllm.serve.server import TritonServer
-from k3_trtllm.utils.net import free_port
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-k3"
 ENGINE = dict(dtype="float32", max_batch_size=8, max_seq_len=96, num_blocks=64, max_slots=8, block_size=16)

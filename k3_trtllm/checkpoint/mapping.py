@@ -46,7 +46,7 @@ from typing import Iterator
 import torch
 
 from ..config import K3Config
-from ..ops.moe.mxfp4 import dequantize_mxfp4
+from ..mxfp4 import dequantize_mxfp4
 
 # File dtypes each part accepts. The spec's dtype column is the dtype the model keeps, not
 # a promise about the file (§5.4 erratum): a float tensor may be stored in any float dtype

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save
 
 from ..config import K3Config, parse_config
-from ..ops.moe.mxfp4 import quantize_mxfp4
+from ..mxfp4 import quantize_mxfp4
 from ..utils.atomic import atomic_output_dir, write_file
 from .loader import expected_sources
 from .mapping import targets

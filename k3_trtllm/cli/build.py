@@ -53,7 +53,7 @@ def build(checkpoint, out_dir, layout, hf_config, tp, ep, max_batch_size, max_nu
     from ..utils.atomic import OutputError, describe_os_error
 
     try:  # the exporter and the TensorRT builder module both need the onnx extra
-        from ..export.engine_dir import build_engine_dir
+        from ..trt.engine_dir import build_engine_dir
         from ..trt.builder import PlanBuildError
         from ..trt.profiles import BuildLimits
     except ImportError as e:

@@ -13,6 +13,11 @@ from k3_trtllm.utils import strict_json
 from ._progress import progress_bar
 
 DTYPES = ("bfloat16", "float32")
+# Whether --prefix-cache is on when neither it nor --no-prefix-cache is given (run, bench,
+# serve, triton-repo): off until issue 22's proofs (same tokens as without it) are in.
+PREFIX_CACHE_DEFAULT = False
+PREFIX_CACHE_VALUE_FLAGS = {"prefix_cache_interval": "--prefix-cache-interval",
+                            "snapshot_slots": "--prefix-cache-snapshots"}
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos"}
 
 
@@ -44,6 +49,17 @@ def engine_options(fn):
                           "on this host itself, or joins the ranks torchrun started (README: Multi-rank)."),
         click.option("--ep", type=click.IntRange(min=1), default=None,
                      help="Expert-parallel groups of the routed experts, with --tp [default: 1]."),
+        click.option("--prefix-cache/--no-prefix-cache", default=PREFIX_CACHE_DEFAULT, show_default=True,
+                     help="Reuse the latent-cache blocks and the KDA state snapshot of a prompt prefix an earlier "
+                          "request computed; the prompt is prefilled from there (README: Prefix caching)."),
+        click.option("--prefix-cache-interval", type=click.IntRange(min=0), default=None,
+                     help="With --prefix-cache: prompt tokens between KDA state snapshots, a multiple of "
+                          "--block-size; a prefix is reused up to its deepest snapshot, and a prefill step "
+                          "ends at each [default: 0, the engine's own: README, Prefix caching]."),
+        click.option("--prefix-cache-snapshots", "snapshot_slots", type=click.IntRange(min=1), default=None,
+                     help="With --prefix-cache: KDA state snapshots kept, out of the cache budget [default: a "
+                          "share of --cache-memory-gb, or --max-slots when both pool counts are given; README: "
+                          "Prefix caching]."),
         click.option("--batch-invariant", is_flag=True,
                      help="On CUDA: a request's output does not depend on what else is in the batch (fixed "
                           "reduction tilings; slower, no CUDA-graph decode; README: Reproducibility). The CPU "
@@ -79,7 +95,9 @@ def engine_dir_settings(model_dir: str, options: dict) -> dict:
     """The settings an engine dir takes from the command line (run, serve, triton-repo): those
     the user gave, the rest None, so that the engine's own limits and dtype apply; given ones
     must fit it. ``--tp/--ep`` (the engine fixes its mapping) and ``--batch-invariant`` (the
-    segments do not run the torch overrides it installs) are refused."""
+    segments do not run the torch overrides it installs) are refused. ``--prefix-cache`` is
+    no engine limit: on (given or by default) it is passed, off it is left out (the engine's
+    own default is off)."""
     ctx = click.get_current_context()
     explicit = {k: (v if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT else None)
                 for k, v in options.items()}
@@ -88,7 +106,34 @@ def engine_dir_settings(model_dir: str, options: dict) -> dict:
     if explicit.pop("batch_invariant", None):
         raise click.ClickException(f"--batch-invariant: not available for engine dirs ({model_dir}); "
                                    "run the checkpoint it was built from")
+    if "prefix_cache" in options:
+        explicit["prefix_cache"] = True if options["prefix_cache"] else None
     return explicit
+
+
+def check_prefix_cache(prefix_cache: bool, prefix_cache_interval: int | None, snapshot_slots: int | None,
+                       block_size: int | None, max_seq_len: int | None) -> None:
+    """The prefix-cache flags, checked before anything loads or is written (``triton-repo``
+    hands them to a server that would only fail at model load): the value flags need the
+    cache on, and a snapshot interval is a multiple of the block size that a prompt can
+    reach. ``block_size``/``max_seq_len`` None: unknown here, checked when the engine loads."""
+    if not prefix_cache:
+        given = {"prefix_cache_interval": prefix_cache_interval, "snapshot_slots": snapshot_slots}
+        for key, flag in PREFIX_CACHE_VALUE_FLAGS.items():
+            if given[key] is not None:
+                raise click.ClickException(f"{flag}: needs --prefix-cache")
+        return
+    interval = prefix_cache_interval
+    if interval and block_size is not None:
+        from k3_trtllm.runtime.block_manager import resolve_prefix_interval
+
+        try:
+            resolve_prefix_interval(interval, block_size)
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
+    if interval and max_seq_len is not None and interval >= max_seq_len:
+        raise click.ClickException(f"--prefix-cache-interval {interval}: no request reaches a snapshot "
+                                   f"(--max-seq-len {max_seq_len})")
 
 
 def _engine_dir_engine(model_dir: str, device: str, options: dict):
@@ -96,6 +141,7 @@ def _engine_dir_engine(model_dir: str, device: str, options: dict):
     from k3_trtllm.trt.engine_executor import engine_dir_engine
 
     explicit = engine_dir_settings(model_dir, options)
+    explicit["prefix_cache"] = bool(explicit["prefix_cache"])
     try:
         return engine_dir_engine(model_dir, device=device, **explicit)
     except (ValueError, OSError, RuntimeError) as e:
@@ -133,7 +179,8 @@ def build_engine_from_options(model_dir: str, *, dtype: str, device: str | None,
                               max_slots: int | None, cache_memory_gb: float | None, seed: int | None = None,
                               threads: int | None = None, tp: int | None = None, ep: int | None = None,
                               checkpoint: str | None = None, plugin_lib: str | None = None,
-                              batch_invariant: bool = False):
+                              batch_invariant: bool = False, prefix_cache: bool = PREFIX_CACHE_DEFAULT,
+                              prefix_cache_interval: int | None = None, snapshot_slots: int | None = None):
     import torch
 
     from k3_trtllm.runtime.distributed import RankFailure
@@ -144,18 +191,28 @@ def build_engine_from_options(model_dir: str, *, dtype: str, device: str | None,
     device = resolve_device(device)
     set_torch_threads(threads)
     if is_segmented_engine_dir(model_dir):
+        from k3_trtllm.trt.segment_layout import engine_limits
+
+        limits = engine_limits(model_dir)  # the engine's own unless given (they must match it)
+        source = click.get_current_context().get_parameter_source
+        given = {k: v if source(k) != click.core.ParameterSource.DEFAULT else limits.get(k)
+                 for k, v in (("block_size", block_size), ("max_seq_len", max_seq_len))}
+        check_prefix_cache(prefix_cache, prefix_cache_interval, snapshot_slots, given["block_size"],
+                           given["max_seq_len"])
         engine = _engine_dir_engine(model_dir, device, dict(
             dtype=dtype, block_size=block_size, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
             max_seq_len=max_seq_len, num_blocks=num_blocks, max_slots=max_slots, cache_memory_gb=cache_memory_gb,
-            seed=seed, tp=tp, ep=ep, checkpoint=checkpoint, plugin_lib=plugin_lib, batch_invariant=batch_invariant))
+            seed=seed, tp=tp, ep=ep, checkpoint=checkpoint, plugin_lib=plugin_lib, batch_invariant=batch_invariant,
+            prefix_cache=prefix_cache, prefix_cache_interval=prefix_cache_interval, snapshot_slots=snapshot_slots))
         if engine is None:  # a torchrun rank other than 0: it served rank 0's steps
             raise click.exceptions.Exit(0)
         click.get_current_context().call_on_close(engine.close)
         return engine
     if checkpoint is not None or plugin_lib is not None:
         raise click.ClickException("--checkpoint/--plugin-lib go with an engine dir from `k3-trt build`")
+    check_prefix_cache(prefix_cache, prefix_cache_interval, snapshot_slots, block_size, max_seq_len)
     if cache_memory_gb is None and (num_blocks is None or max_slots is None):
-        from k3_trtllm.runtime.cache_budget import DEFAULT_CACHE_MEMORY_GB
+        from k3_trtllm.runtime.block_manager import DEFAULT_CACHE_MEMORY_GB
 
         cache_memory_gb = DEFAULT_CACHE_MEMORY_GB
     try:
@@ -163,7 +220,8 @@ def build_engine_from_options(model_dir: str, *, dtype: str, device: str | None,
                               max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
                               num_blocks=num_blocks,
                               max_slots=max_slots, cache_memory_gb=cache_memory_gb, seed=seed, tp=tp, ep=ep,
-                              batch_invariant=batch_invariant)
+                              batch_invariant=batch_invariant, prefix_cache=prefix_cache,
+                              prefix_cache_interval=prefix_cache_interval, snapshot_slots=snapshot_slots)
     except RankFailure as e:  # world size > 1: a rank died, hung or lost rank 0
         raise click.ClickException(str(e)) from None
     except (ValueError, OSError, RuntimeError) as e:  # config/checkpoint errors are ValueErrors
@@ -275,7 +333,7 @@ class _StreamPrinter:
 def run(model_dir, prompts, prompt_ids, prompts_file, max_new_tokens, temperature, top_k, top_p, seed,
         stop_ids, ignore_eos, stream, as_json, quiet, **engine_kwargs):
     """Generate completions for prompts with the inflight-batching engine."""
-    from k3_trtllm.runtime.sampling import SamplingParams
+    from k3_trtllm.runtime.sequence import SamplingParams
 
     requests: list[tuple[str | list[int], dict]] = [(p, {}) for p in prompts]
     requests += [(parse_ids(p, "--prompt-ids"), {}) for p in prompt_ids]
@@ -321,7 +379,7 @@ def run(model_dir, prompts, prompt_ids, prompts_file, max_new_tokens, temperatur
         click.echo(strict_json.dumps({
             "outputs": [{"prompt_ids": r.prompt_token_ids, "output_ids": r.output_token_ids, "text": r.text,
                          "finish_reason": r.finish_reason, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s,
-                         "preemptions": r.num_preemptions} for r in results],
+                         "preemptions": r.num_preemptions, "cached_tokens": r.cached_tokens} for r in results],
             "totals": engine.summary(),
             "tokenizer": tokenizer_kind,
         }))

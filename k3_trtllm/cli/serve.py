@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from k3_trtllm.cli.run import engine_dir_settings, engine_options, resolve_device, threads_option
+from k3_trtllm.cli.run import check_prefix_cache, engine_dir_settings, engine_options, resolve_device, threads_option
 from k3_trtllm.utils.threads import child_thread_env
 
 
@@ -44,7 +44,16 @@ def _write_repo(model_dir, repo_dir, name, force=False, **settings) -> Path:
     from k3_trtllm.trt.segment_layout import engine_limits, is_segmented_engine_dir
     from k3_trtllm.utils.atomic import OutputError, describe_os_error
 
-    if is_segmented_engine_dir(model_dir):  # the engine's own limits unless the user gave others
+    segmented = is_segmented_engine_dir(model_dir)
+    limits = {k: settings[k] for k in ("block_size", "max_seq_len")}
+    if segmented:  # the engine's own unless given (they must match it)
+        source = click.get_current_context().get_parameter_source
+        limits = {k: v if source(k) != click.core.ParameterSource.DEFAULT else engine_limits(model_dir).get(k)
+                  for k, v in limits.items()}
+    # the server would only find a bad value when it loads the model
+    check_prefix_cache(settings["prefix_cache"], settings["prefix_cache_interval"], settings["snapshot_slots"],
+                       limits["block_size"], limits["max_seq_len"])
+    if segmented:  # the engine's own limits unless the user gave others
         engine = engine_dir_settings(model_dir, {k: v for k, v in settings.items() if k in ENGINE_PARAMETERS})
         if engine["max_batch_size"] is None:  # Triton's batch bound too
             engine["max_batch_size"] = engine_limits(model_dir).get("max_batch_size")

@@ -19,7 +19,7 @@ import torch
 from ..checkpoint.mapping import COLS, ROW_WISE, ROWS, Part, Target, unit_output_shape
 from ..checkpoint.safetensors_format import element_size
 from ..config import K3Config
-from .parallel import Holder, Parallel, local_shape, slice_range
+from ..checkpoint.rank_layout import Holder, RankLayout, local_shape, slice_range
 
 CHUNK_BYTES = 32 << 20
 
@@ -59,7 +59,7 @@ class Placed:
 
 
 class Planner:
-    def __init__(self, cfg: K3Config, par: Parallel, targets: list[Target], chunk_bytes: int = CHUNK_BYTES,
+    def __init__(self, cfg: K3Config, par: RankLayout, targets: list[Target], chunk_bytes: int = CHUNK_BYTES,
                  file_dtypes: Mapping[str, torch.dtype] | None = None):
         """``file_dtypes``: the dtype each source tensor is stored in, which bounds the bytes a
         piece reads (files may hold any float dtype); default: the spec's dtypes."""

@@ -13,16 +13,17 @@ from ..checkpoint.mapping import COLS, ROWS, Target, targets
 from ..checkpoint.safetensors_format import element_size
 from ..checkpoint.trtllm import load_trtllm_state_dict, read_trtllm_config
 from ..config import K3Config
-from .parallel import ConvertError, Parallel
+from ..checkpoint.rank_layout import RankLayout
+from .errors import ConvertError
 from .plan import Placed, Planner
 
 
 def reassemble(path: str | Path) -> tuple[K3Config, dict[str, torch.Tensor]]:
     cfg, data = read_trtllm_config(path)
-    par = Parallel.from_mapping_json(data["mapping"], cfg, f"{Path(path) / 'config.json'}")
+    par = RankLayout.from_mapping_json(data["mapping"], cfg, f"{Path(path) / 'config.json'}")
     ranks = [load_trtllm_state_dict(path, r)[1] for r in range(par.world_size)]
     sharded = Planner(cfg, par, [])
-    whole = Planner(cfg, Parallel(1, 1, par.num_experts), [])
+    whole = Planner(cfg, RankLayout(1, 1, par.num_experts), [])
     state = {}
     for target in targets(cfg):
         units = [_gather(target, unit[0].split, placed, ranks) for unit, placed in sharded.placed_units(target)]

@@ -26,7 +26,8 @@ from ..checkpoint.tokenizer_files import copy_tokenizer_files, find_tokenizer_fi
 from ..checkpoint.trtllm import k3_text_config, rank_file, trtllm_config
 from ..config import parse_config
 from ..utils.atomic import atomic_output_dir, check_output, input_paths, write_file
-from .parallel import ConvertError, parallel_for
+from ..checkpoint.rank_layout import rank_layout_for
+from .errors import ConvertError
 from .plan import CHUNK_BYTES, Dest, Piece, Planner
 from .writer import RankFile
 
@@ -65,7 +66,7 @@ def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, ep:
         cfg = ckpt.config
         source_mxfp4 = cfg.moe is not None and cfg.moe.mxfp4
         out_mxfp4 = _experts_format(experts, source_mxfp4)
-        par = parallel_for(cfg, tp, ep, source_mxfp4)
+        par = rank_layout_for(cfg, tp, ep, source_mxfp4)
         check_checkpoint(ckpt)
         k3 = k3_text_config(cfg, json.loads((hf / "config.json").read_text()), out_mxfp4)
         parse_config(k3, source="converted config (field k3)")  # what the reader will parse
@@ -102,7 +103,7 @@ def _write_ranks(tmp: Path, ckpt: HFCheckpoint, planner: Planner, per_rank, work
             files.append(RankFile(rank_file(tmp, r), entries))
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", file=sys.stderr,
                   disable=not progress, dynamic_ncols=True) as bar:
-            _run_pieces(planner.pieces(), lambda piece: _convert_piece(piece, ckpt, files, planner.cfg),
+            _run_pieces(planner.pieces(), lambda piece: convert_piece(piece, ckpt, files, planner.cfg),
                         workers, bar.update)
         for f in files:
             f.close()
@@ -114,7 +115,7 @@ def _write_ranks(tmp: Path, ckpt: HFCheckpoint, planner: Planner, per_rank, work
             for r, f in enumerate(files)}
 
 
-def _convert_piece(piece: Piece, ckpt: HFCheckpoint, files: list[RankFile], cfg) -> int:
+def convert_piece(piece: Piece, ckpt: HFCheckpoint, files: list[RankFile], cfg) -> int:
     tensors = None
     for dest in piece.dests:
         if _copy_bytes(piece, dest, ckpt, files):

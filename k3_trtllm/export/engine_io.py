@@ -2,7 +2,7 @@
 inputs and also outputs (``<pool>_out``), so the same device buffer can be bound to both.
 
 This one list is what the exporter names the ONNX graph's I/O after, what the build
-config records, and what ``TensorRTExecutor`` binds; tests compare it with the graph."""
+config records, and what an executor binds by name; tests compare it with the graph."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -2,9 +2,11 @@
 
 The graph takes the step tensors and the cache pools (``engine_io``) and returns the
 logits and the updated pools. Dynamic dims: tokens, sequences, logits rows, block-table
-width, pool blocks and state slots. The prefill forms of the ops are exported; they are
-exact for decode tokens too, and the plugins pick their decode kernels from the input
-extents (a step with as many tokens as sequences), so one graph serves both profiles."""
+width, pool blocks and state slots. The prefill forms of the ops are exported (the phase is
+fixed at export, ``StepGraph(decode=False)``); they are exact for decode tokens too, and
+their kernels pick their decode paths from the input extents (KDA: as many tokens as
+sequences; MLA: the absorbed form below a few tokens per sequence), so one graph serves both
+profiles and the runtime's phase picks only the profile."""
 from __future__ import annotations
 
 import sys
@@ -101,7 +103,8 @@ def export_step_onnx(model, path: str | Path, block_size: int, log=None) -> Path
     path = Path(path)
     cfg, act = model.config, model.dtype
     inputs, outputs = engine_inputs(cfg, act, block_size), engine_outputs(cfg, act, block_size)
-    graph = StepGraph(model, tuple(t for t in inputs if t.pool), block_size).eval()
+    # the prefill forms serve both profiles (module doc): the phase is fixed here, at export
+    graph = StepGraph(model, tuple(t for t in inputs if t.pool), block_size, decode=False).eval()
     args = tuple(_sample_inputs(model, block_size))
     log(f"export: tracing {cfg.num_hidden_layers} layers ({len(inputs)} inputs, {len(outputs)} outputs)")
     with torch.no_grad():

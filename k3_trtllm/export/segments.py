@@ -42,7 +42,8 @@ from torch.func import functional_call
 from torch.nn.functional import embedding, linear
 
 from ..config import K3Config
-from ..convert.parallel import ConvertError, parallel_for
+from ..checkpoint.errors import CheckpointError
+from ..checkpoint.rank_layout import rank_layout_for
 from ..model.caches import K3Caches
 from ..model.k3 import K3ForCausalLM
 from ..model.parallel import Parallel
@@ -50,6 +51,7 @@ from ..model.step import StepInputs
 from ..ops import attn_res
 from ..ops import contract as C
 from ..ops.common import compute_dtype, rms_norm
+from ..ops.moe.naive import SCORING
 from ..ops.registry import call
 from .engine_io import LOGITS, MAX_BLOCKS, MAX_SLOTS, NUM_BLOCKS, SEQS, SEQS_PLUS_1, TOKENS, pool_dtype
 from .exporter import OPSET, _bytes_slots, _strip_metadata
@@ -90,13 +92,13 @@ class World:
         return {"world_size": self.tp, "tp_size": self.tp, "moe_tp_size": self.moe_tp, "moe_ep_size": self.ep}
 
     def validate(self, cfg: K3Config) -> None:
-        """The converter's rules for this world (``convert.parallel.parallel_for``): an engine
+        """The converter's rules for this world (``checkpoint.rank_layout.rank_layout_for``): an engine
         can be built exactly for the worlds a checkpoint can be converted to."""
         if self.tp < 1 or self.ep < 1:
             raise SegmentError(f"tp ({self.tp}) and ep ({self.ep}) must be positive")
         try:
-            parallel_for(cfg, self.tp, self.ep, cfg.moe is not None and cfg.moe.mxfp4)
-        except ConvertError as e:  # it lists one violated dimension per line; errors here are one line
+            rank_layout_for(cfg, self.tp, self.ep, cfg.moe is not None and cfg.moe.mxfp4)
+        except CheckpointError as e:  # it lists one violated dimension per line; errors here are one line
             raise SegmentError(" ".join(line.strip() for line in str(e).splitlines())) from e
         groups = cfg.moe.num_expert_group or 1 if cfg.moe is not None else 1
         if groups > 1:
@@ -252,7 +254,7 @@ class MoeSegment(_Mixed):
         rows = (torch.arange(m.num_experts, device=x.device) + a["expert_offset"].long()) % m.num_experts
         router, bias = a["mlp.router.weight"][rows], a["mlp.router.e_score_correction_bias"][rows]
         attrs = (m.num_experts, m.top_k, m.num_expert_group, m.topk_group, 0,
-                 0 if m.scoring == "sigmoid" else 1, int(m.renormalize), m.routed_scaling_factor,
+                 SCORING[m.scoring], int(m.renormalize), m.routed_scaling_factor,
                  cfg.activation_id, cfg.situ_beta, cfg.situ_linear_beta or 0.0)
         if m.mxfp4:
             experts = [a[f"mlp.experts.{w}.{p}"] for w in ("w13", "w2") for p in ("weight_packed", "weight_scale")]

@@ -4,7 +4,8 @@ Inputs are the step tensors then the cache pools (``engine_io``); outputs are th
 then every pool after the step. The pools are returned explicitly: the ops' functional
 twins write the updated pools back into the inputs while exporting (``registry.call``),
 and returning them is what turns those writes into graph outputs (DESIGN §9: otherwise
-the exporter drops them without a word)."""
+the exporter drops them without a word). ``decode`` is the phase traced: the graph
+holds that phase's op forms, whatever steps later run through it."""
 from __future__ import annotations
 
 import torch
@@ -15,7 +16,7 @@ from .engine_io import STEP_INPUTS, TensorIO, step_from_flat
 
 
 class StepGraph(nn.Module):
-    def __init__(self, model: nn.Module, pools: tuple[TensorIO, ...], block_size: int, decode: bool = False):
+    def __init__(self, model: nn.Module, pools: tuple[TensorIO, ...], block_size: int, *, decode: bool):
         super().__init__()
         self.model, self.pools, self.block_size, self.decode = model, pools, block_size, decode
 

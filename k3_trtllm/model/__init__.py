@@ -12,8 +12,8 @@ from ..checkpoint.detect import HF, checkpoint_format
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.loader import load_hf_state_dict
 from ..checkpoint.trtllm import load_trtllm_state_dict, read_trtllm_config
-from ..kernels import library_path as kernel_library_path
-from ..kernels import register_cuda_kernels
+from ..ops.cuda_library import library_path as kernel_library_path
+from ..ops.cuda_library import register_cuda_kernels
 from ..ops.common import compute_dtype
 from .caches import K3Caches
 from .k3 import K3ForCausalLM

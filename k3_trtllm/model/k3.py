@@ -7,16 +7,44 @@ ops (recurrent KDA, absorbed MLA); any other step uses the prefill forms, which 
 for decode tokens too."""
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from ..config import K3Config
-from ..ops import attn_res
-from ..ops.common import compute_dtype, rms_norm
+from ..ops import norm
+from ..ops.batch_invariant import batch_invariant
+from ..ops.common import compute_dtype
 from .caches import K3Caches
 from .layers import GatedMLP, KdaAttention, LatentMoE, MlaAttention, Weights, _w
 from .parallel import Parallel, embed, gather_columns
 from .step import StepInputs
+
+
+@functools.cache
+def _mm_out_dtype_runs(device_type: str) -> bool:
+    """Whether ``torch.mm(..., out_dtype=torch.float32)`` (bf16 operands, fp32 accumulation and
+    output: cuBLAS's own mixed-precision GEMM) runs on this torch build's ``device_type``."""
+    a = torch.zeros(1, 8, dtype=torch.bfloat16, device=device_type)
+    try:
+        torch.mm(a, a.T, out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
+
+
+def head_logits(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 logits ``y @ weight.T`` (fp64 when the whole model runs in fp64 for tests). bf16 on
+    CUDA: one bf16 GEMM with fp32 accumulation and output, the weight read as stored (upcasting
+    it would write vocab x hidden fp32 values every step). Elsewhere, and in the batch-invariant
+    mode (whose fixed-shape GEMMs replace ``aten::mm``, not its ``out_dtype`` form), both
+    operands are upcast (exactly) and multiplied in the compute dtype."""
+    if (y.is_cuda and y.dtype == weight.dtype == torch.bfloat16 and not torch.compiler.is_exporting()
+            and not batch_invariant() and _mm_out_dtype_runs(y.device.type)):
+        return torch.mm(y, weight.T, out_dtype=torch.float32)
+    cd = compute_dtype(y.dtype)
+    return y.to(cd) @ weight.to(cd).T
 
 
 class DecoderLayer(nn.Module):
@@ -62,50 +90,51 @@ class K3ForCausalLM(nn.Module):
         return K3Caches.allocate(self.config, num_blocks, block_size, max_slots, self.dtype,
                                  self.transformer.ln_f.weight.device, self.parallel.tp_size)
 
-    def forward(self, step: StepInputs, caches: K3Caches, decode: bool | None = None) -> torch.Tensor:
+    def forward(self, step: StepInputs, caches: K3Caches, decode: bool) -> torch.Tensor:
         """Logits (fp32) of the tokens at ``step.logits_indices``; caches updated in place.
-        ``decode`` picks the op forms; by default it is read off the step (host sync), an
-        exporter passes it explicitly to trace one phase."""
+        ``decode`` picks the op forms: the step's phase, decided on the host by whoever built
+        the step (``model/step.py: is_pure_decode``), never read off its tensors (a device sync)."""
         cfg, tr = self.config, self.transformer
-        if decode is None:
-            decode = step.is_pure_decode()
         x = embed(step.input_ids.long(), tr.vocab_embedding.weight, self.parallel)
         if cfg.attn_res_block_size:
-            h = self._attn_res_stream(x, step, caches, decode)
+            y = self._attn_res_stream(x, step, caches, decode)
         else:
-            h = self._residual_stream(x, step, caches, decode)
-        y = rms_norm(h[step.logits_indices.long()], tr.ln_f.weight, cfg.rms_norm_eps)
-        # fp32 logits from bf16 operands (fp64 when the whole model runs in fp64 for tests)
-        cd = compute_dtype(y.dtype)
-        logits = gather_columns(y.to(cd) @ self.lm_head.weight.to(cd).T, self.parallel)
+            y = self._residual_stream(x, step, caches, decode)
+        logits = gather_columns(head_logits(y, self.lm_head.weight), self.parallel)
         return logits * cfg.logit_scale if cfg.logit_scale != 1.0 else logits
 
     def _attn_res_stream(self, x, step, caches, decode) -> torch.Tensor:
         """Original AttnRes algorithm (§4.7.2): block snapshots + bf16 partial sum P; each
         sub-layer input is a softmax mixture of the visible snapshots and P, fed in fp32
-        into that sub-layer's RMSNorm (vLLM's fused convention, §7.11)."""
+        into that sub-layer's RMSNorm (vLLM's fused convention, §7.11). A sub-layer's output
+        joins P in the next mix (``pending``), so on CUDA the residual add, the mix and the norm
+        are one kernel (``ops/norm``). Returns the final norm of the logits rows."""
         eps = self.config.rms_norm_eps
-        partial, blocks = x, []
+        partial, pending, blocks = x, None, []
         for layer in self.transformer.layers:
             plan = layer.plan
             if plan.attn_sources:
-                h = attn_res.mix(blocks[: plan.attn_sources] + [partial], layer.attn_res.attention_query, eps)
+                h, partial = norm.attn_res_mix_norm(blocks[: plan.attn_sources] + [partial], pending,
+                                                    layer.attn_res.attention_query, eps,
+                                                    layer.input_layernorm.weight, eps)
             else:
-                h = partial
+                partial = partial if pending is None else partial + pending
+                h = norm.rms_norm(partial, layer.input_layernorm.weight, eps)
             if plan.block_write:
                 blocks.append(partial)
                 partial = torch.zeros_like(partial)
-            a = layer.attention(rms_norm(h, layer.input_layernorm.weight, eps).to(x.dtype), step, caches, decode)
-            partial = partial + a
-            m = attn_res.mix(blocks[: plan.mlp_sources] + [partial], layer.attn_res.mlp_query, eps)
-            partial = partial + layer.mlp(rms_norm(m, layer.post_layernorm.weight, eps).to(x.dtype))
-        final = attn_res.mix(blocks + [partial], self.transformer.attn_res_out.query, eps)
-        return final.to(x.dtype)
+            a = layer.attention(h, step, caches, decode)
+            m, partial = norm.attn_res_mix_norm(blocks[: plan.mlp_sources] + [partial], a, layer.attn_res.mlp_query,
+                                                eps, layer.post_layernorm.weight, eps)
+            pending = layer.mlp(m)
+        return norm.attn_res_final_norm(blocks + [partial], pending, self.transformer.attn_res_out.query, eps,
+                                        step.logits_indices, self.transformer.ln_f.weight, eps)
 
     def _residual_stream(self, x, step, caches, decode) -> torch.Tensor:
-        """Plain pre-norm residual (§4.7.5), for configs without AttnRes."""
+        """Plain pre-norm residual (§4.7.5), for configs without AttnRes; returns the final norm
+        of the logits rows."""
         eps = self.config.rms_norm_eps
         for layer in self.transformer.layers:
-            s = x + layer.attention(rms_norm(x, layer.input_layernorm.weight, eps), step, caches, decode)
-            x = s + layer.mlp(rms_norm(s, layer.post_layernorm.weight, eps))
-        return x
+            s = x + layer.attention(norm.rms_norm(x, layer.input_layernorm.weight, eps), step, caches, decode)
+            x = s + layer.mlp(norm.rms_norm(s, layer.post_layernorm.weight, eps))
+        return norm.rms_norm(x[step.logits_indices.long()], self.transformer.ln_f.weight, eps)

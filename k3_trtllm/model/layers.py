@@ -16,7 +16,8 @@ from torch.nn.functional import linear
 
 from ..config import K3Config
 from ..ops import contract as C
-from ..ops.common import gated_rms_norm, glu, rms_norm
+from ..ops.norm import gated_rms_norm, glu, rms_norm, sigmoid_gate
+from ..ops.moe.naive import SCORING
 from ..ops.registry import call
 from .caches import K3Caches
 from .parallel import Parallel, all_reduce
@@ -120,7 +121,7 @@ class MlaAttention(nn.Module):
                  self.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim,
                  m.softmax_scale)
         if m.use_output_gate:
-            o = (o.float() * torch.sigmoid(out_gate.float())).to(x.dtype)
+            o = sigmoid_gate(o, out_gate)
         return all_reduce(linear(o, self.dense.weight), self.par)
 
 
@@ -171,7 +172,7 @@ class LatentMoE(nn.Module):
         moe, cfg = self.moe, self.cfg
         z = linear(x, self.latent_down.weight) if moe.latent_size else x
         attrs = (moe.num_experts, moe.top_k, moe.num_expert_group, moe.topk_group, self.expert_offset,
-                 0 if moe.scoring == "sigmoid" else 1, int(moe.renormalize), moe.routed_scaling_factor,
+                 SCORING[moe.scoring], int(moe.renormalize), moe.routed_scaling_factor,
                  cfg.activation_id, cfg.situ_beta, cfg.situ_linear_beta or 0.0)
         w13, w2 = self.experts.w13, self.experts.w2
         if moe.mxfp4:

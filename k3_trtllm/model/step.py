@@ -3,6 +3,11 @@
 A step is a packed, ragged batch of T tokens from B sequences; prefill chunks and
 decode tokens mix freely. All index tensors are int32. The cache pools are not part
 of the step: the executor owns them (``K3Caches``) and binds them to every step.
+
+The step's phase (``is_pure_decode``) is decided once, on the host, by whoever builds the
+step (the model runner), and passed down beside it: ``executor.execute(step, decode)`` ->
+``model(step, caches, decode)``. Nothing below reads it off the tensors, which on a GPU
+would be a device sync.
 """
 from __future__ import annotations
 
@@ -31,12 +36,16 @@ class StepInputs:
     def num_seqs(self) -> int:
         return int(self.cu_seqlens.shape[0]) - 1
 
-    def is_pure_decode(self) -> bool:
-        """Every sequence contributes exactly one token and continues a cached context."""
-        return self.num_tokens == self.num_seqs and bool((self.context_lens > 0).all())
-
     def to(self, device: torch.device | str) -> "StepInputs":
         return StepInputs(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+def is_pure_decode(seqs: list[tuple[list[int], int, int, list[int]]]) -> bool:
+    """The phase of the step ``build_step(seqs)`` makes: every sequence brings exactly one new
+    token and continues a cached context. Such a step runs the decode forms of the ops
+    (recurrent KDA, absorbed MLA), a CUDA graph in the torch executor and the decode profile
+    of an engine; any other step runs the prefill forms, which are exact for decode tokens too."""
+    return bool(seqs) and all(len(new_ids) == 1 and context_len > 0 for new_ids, context_len, *_ in seqs)
 
 
 def build_step(

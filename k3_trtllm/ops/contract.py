@@ -16,10 +16,19 @@ Dtype tags: ``act`` is the activation dtype (bf16 in production; the fp32
 reference also accepts fp32 and fp64 so that exactness tests can run in high
 precision), ``fp32`` is float32 in production (fp64 accepted by the reference),
 ``int32`` and ``uint8`` are exact.
+
+Shape symbols are names, integers and ``+ - * /`` over them (``"3*P"``, ``"B+1"``,
+``"L/32"``). ``OpContract.check`` binds each symbol at its first occurrence (an attribute
+named in ``attr_dims``, else the first input dim that holds it), so every input dim may
+introduce at most one new symbol.
 """
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
+from functools import cached_property, lru_cache
+
+import torch
 
 PLUGIN_NAMESPACE = "k3"
 PLUGIN_VERSION = "1"
@@ -41,6 +50,39 @@ class AttrSpec:
     doc: str = ""
 
 
+# The torch dtypes each contract dtype tag admits: what the reference implementations run
+# (the kernels take the first; other calls fall back to the reference).
+_DTYPES = {
+    "act": (torch.bfloat16, torch.float16, torch.float32, torch.float64),
+    "fp32": (torch.float32, torch.float64),
+    "int32": (torch.int32,),
+    "uint8": (torch.uint8,),
+}
+_SYMBOL_NODES = (ast.Expression, ast.BinOp, ast.Name, ast.Load, ast.Add, ast.Sub, ast.Mult, ast.Div)
+
+
+class _EnvLookup(ast.NodeTransformer):
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        return ast.Subscript(ast.Name("env", ast.Load()), ast.Constant(node.id), ast.Load())
+
+
+@lru_cache(maxsize=None)
+def _compile(expr: str):
+    """(function of the symbol values, names in order of appearance) of a shape symbol or an
+    attr_dims expression; a compiled lambda, since check runs on every op call."""
+    tree = ast.parse(expr, mode="eval")
+    for node in ast.walk(tree):
+        if not (isinstance(node, _SYMBOL_NODES) or (isinstance(node, ast.Constant) and type(node.value) is int)):
+            raise ValueError(f"contract dim {expr!r}: only names, integers and + - * / are allowed")
+    names = tuple(dict.fromkeys(n.id for n in ast.walk(tree) if isinstance(n, ast.Name)))
+    body = ast.unparse(_EnvLookup().visit(tree))
+    return eval(f"lambda env: {body}", {"__builtins__": {}}), names  # noqa: S307 (checked above)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
 class OpContract:
     name: str  # torch op name in namespace k3
@@ -49,6 +91,8 @@ class OpContract:
     outputs: tuple[TensorSpec, ...]
     attrs: tuple[AttrSpec, ...]
     doc: str = ""
+    # (symbol, expression over attribute names): the dims the attributes fix, bound before the inputs
+    attr_dims: tuple[tuple[str, str], ...] = ()
 
     @property
     def mutated_inputs(self) -> tuple[TensorSpec, ...]:
@@ -76,6 +120,112 @@ class OpContract:
         n_out = len(self.outputs) + (len(self.mutated_inputs) if functional else 0)
         ret = "Tensor" if n_out == 1 else "(" + ", ".join(["Tensor"] * n_out) + ")"
         return f"({', '.join(args)}) -> {ret}"
+
+    @cached_property
+    def _binding_plan(self):
+        """Per input, per dim: (its function, the symbol it binds or None, whether the dim is
+        that bare symbol); and where each symbol is bound (an attribute expression or an input
+        name), for the messages."""
+        source = {}
+        for sym, expr in self.attr_dims:
+            if sym in source:
+                raise ValueError(f"contract {self.name}: attr_dims binds {sym} twice")
+            unknown = set(_compile(expr)[1]) - {a.name for a in self.attrs}
+            if unknown:
+                raise ValueError(f"contract {self.name}: attr_dims {sym} = {expr} names no attribute {sorted(unknown)}")
+            source[sym] = expr
+        plan = []
+        for spec in self.inputs:
+            dims = []
+            for axis, expr in enumerate(spec.shape):
+                fn, names = _compile(expr)
+                new = [n for n in names if n not in source]
+                if len(new) > 1:
+                    raise ValueError(f"contract {self.name}: {spec.name} dim {axis} ({expr}) introduces "
+                                     f"{new} at once; one dim can bind one new symbol")
+                if new:
+                    source[new[0]] = spec.name
+                dims.append((fn, new[0] if new else None, expr.isidentifier()))
+            plan.append(tuple(dims))
+        return tuple(plan), source
+
+    def check(self, *args) -> dict[str, int]:
+        """Check a call's tensors against the contract and return the bound dims.
+
+        ``args`` are the op's arguments (inputs in contract order, then attributes). Each
+        input's dtype must be of its tag's class (every ``act`` input the same dtype), its
+        rank and dims those of its shape symbols, bound at their first occurrence; inputs
+        updated in place must be contiguous (an implementation cannot copy them and keep the
+        update); all inputs live on one device. Raises ValueError naming the op, the input,
+        its shape and the expected one with the symbols resolved. Reads no tensor values:
+        semantic checks (offsets, slot ids, ...) stay with the ops."""
+        n_in, n_attr = len(self.inputs), len(self.attrs)
+        if len(args) != n_in + n_attr:
+            raise TypeError(f"{self.qualified_name}: expected {n_in} tensors and {n_attr} attributes, "
+                            f"got {len(args)} arguments")
+        plan, source = self._binding_plan
+        attrs = {a.name: v for a, v in zip(self.attrs, args[n_in:])}
+        env = {sym: _compile(expr)[0](attrs) for sym, expr in self.attr_dims}
+        act = device = None
+        for spec, dims, t in zip(self.inputs, plan, args):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{self.qualified_name}: {spec.name}: expected a tensor, got {type(t).__name__}")
+            dtype, shape = t.dtype, t.shape
+            if device is None:
+                device = t.device
+            elif t.device != device:
+                raise ValueError(f"{self.qualified_name}: {spec.name}: on {t.device}, expected {device} "
+                                 f"(the device of {self.inputs[0].name})")
+            if spec.dtype == "act" and act is not None:
+                if dtype != act[1]:
+                    raise ValueError(f"{self.qualified_name}: {spec.name}: dtype {_dtype_name(dtype)}, expected "
+                                     f"act = {_dtype_name(act[1])} (the activation dtype, set by {act[0]})")
+            elif dtype not in _DTYPES[spec.dtype]:
+                allowed = ", ".join(_dtype_name(d) for d in _DTYPES[spec.dtype])
+                raise ValueError(f"{self.qualified_name}: {spec.name}: dtype {_dtype_name(dtype)}, expected "
+                                 f"{spec.dtype} ({allowed})")
+            elif spec.dtype == "act":
+                act = spec.name, dtype
+            if len(shape) != len(dims):
+                raise self._shape_error(spec, t, env, source, f"rank {len(shape)}, expected {len(dims)}")
+            for axis, (size, (fn, new, bare)) in enumerate(zip(shape, dims)):
+                if new is None:
+                    if fn(env) != size:
+                        raise self._shape_error(spec, t, env, source)
+                elif bare:
+                    env[new] = size
+                else:
+                    # The dim is affine in its new symbol (a*X + b, contract expressions are):
+                    # solve for X, which must be a whole number >= 0 that reproduces the size.
+                    env[new] = 0
+                    b = fn(env)
+                    env[new] = 1
+                    a = fn(env) - b
+                    env[new] = x = round((size - b) / a) if a else -1
+                    if x < 0 or fn(env) != size:
+                        del env[new]
+                        raise self._shape_error(spec, t, env, source,
+                                                f"dim {axis} = {size} is not {spec.shape[axis]} for a whole {new} >= 0")
+            if spec.mutated and not t.is_contiguous():
+                raise ValueError(f"{self.qualified_name}: {spec.name}: not contiguous (strides {list(t.stride())}); "
+                                 "it is updated in place, so it cannot be copied")
+        return env
+
+    def _shape_error(self, spec: TensorSpec, t: torch.Tensor, env: dict, source: dict,
+                     why: str = "") -> ValueError:
+        resolved = []
+        for expr in spec.shape:
+            fn, names = _compile(expr)
+            if all(n in env for n in names):
+                v = fn(env)
+                resolved.append(str(int(v)) if v == int(v) else str(v))
+            else:
+                resolved.append(expr)
+        elsewhere = dict.fromkeys(n for expr in spec.shape for n in _compile(expr)[1]
+                                  if n in env and source[n] != spec.name)
+        by = f" ({', '.join(f'{n} bound by {source[n]}' for n in elsewhere)})" if elsewhere else ""
+        return ValueError(f"{self.qualified_name}: {spec.name}: shape {list(t.shape)}, expected "
+                          f"[{', '.join(spec.shape)}] = [{', '.join(resolved)}]{by}" + (f": {why}" if why else ""))
 
 
 # ---------------------------------------------------------------------------
@@ -108,13 +258,18 @@ _KDA_ATTRS = (
                  "0.0 selects the softplus gate g = -exp(A_log)*softplus(f+dt_bias)"),
 )
 
+# The key and value head dims are both head_dim.
+_KDA_ATTR_DIMS = (("H", "num_heads"), ("K", "head_dim"), ("V", "head_dim"), ("P", "num_heads*head_dim"))
+
 KDA_PREFILL = OpContract(
     "kda_prefill", "K3KdaPrefill", _KDA_INPUTS, _KDA_OUTPUTS, _KDA_ATTRS,
     doc="short conv + chunked (C=64) gated delta rule over a varlen batch",
+    attr_dims=_KDA_ATTR_DIMS,
 )
 KDA_DECODE = OpContract(
     "kda_decode", "K3KdaDecode", _KDA_INPUTS, _KDA_OUTPUTS, _KDA_ATTRS,
     doc="conv-state update + token-by-token recurrence (any tokens per sequence)",
+    attr_dims=_KDA_ATTR_DIMS,
 )
 
 # ---------------------------------------------------------------------------
@@ -141,14 +296,19 @@ _MLA_ATTRS = (
     AttrSpec("softmax_scale", "float"),
 )
 
+_MLA_ATTR_DIMS = (("H", "num_heads"), ("Dn", "qk_nope_head_dim"), ("Dr", "qk_rope_head_dim"),
+                  ("R", "kv_lora_rank"), ("Dv", "v_head_dim"))
+
 MLA_PREFILL = OpContract(
     "mla_prefill", "K3MlaPrefill", _MLA_INPUTS, _MLA_OUTPUTS, _MLA_ATTRS,
     doc="insert latents, causal attention over cached context + new tokens with keys/values "
         "expanded through w_uk / w_uv",
+    attr_dims=_MLA_ATTR_DIMS,
 )
 MLA_DECODE = OpContract(
     "mla_decode", "K3MlaDecode", _MLA_INPUTS, _MLA_OUTPUTS, _MLA_ATTRS,
     doc="insert latents, absorbed MQA over the paged latent cache (q_nope·W_UK, ·W_UV)",
+    attr_dims=_MLA_ATTR_DIMS,
 )
 
 # ---------------------------------------------------------------------------
@@ -185,6 +345,7 @@ SITU_MOE = OpContract(
     ),
     _MOE_OUTPUTS, _MOE_ATTRS,
     doc="routed latent MoE with bf16 experts",
+    attr_dims=(("E", "num_experts"),),
 )
 SITU_MOE_MXFP4 = OpContract(
     "situ_moe_mxfp4", "K3SituMoeMxfp4",
@@ -196,6 +357,7 @@ SITU_MOE_MXFP4 = OpContract(
     ),
     _MOE_OUTPUTS, _MOE_ATTRS,
     doc="routed latent MoE with MXFP4 experts (W4A16: dequantised weights, act inputs)",
+    attr_dims=(("E", "num_experts"),),
 )
 
 ALL_CONTRACTS: tuple[OpContract, ...] = (

@@ -46,8 +46,12 @@ IDLE_TIMEOUT = timedelta(days=365)  # the header group: a worker waits on it whi
 HEARTBEAT_S = 0.5
 STOP_GRACE_S = 10.0
 
-# header[0] of a step broadcast: what the workers do with the payload that follows
+# header[0] of a step broadcast: what the workers do with the payload that follows;
+# header[1]: the step's phase (1: pure decode) as rank 0's runner decided it, so no rank re-derives it
 OP_STOP, OP_RUN, OP_PROBE = 0, 1, 2
+# prefix cache: header[1] is the number of KDA state-row copies, the payload their (src, dst) pairs
+OP_COPY = 3
+HEADER_LEN = 2 + PACKED_SHAPE_LEN
 _KEY = "k3trt/"
 
 
@@ -93,6 +97,7 @@ class RankSpec:
     block_size: int
     threads: int  # torch intra-op threads per rank on CPU (the host's cores shared by its ranks)
     batch_invariant: bool = False  # kernels.batch_invariant on CUDA (README: Reproducibility)
+    snapshot_slots: int = 0  # prefix-cache KDA state snapshot rows (runtime/block_manager.py: PrefixCache)
 
 
 @dataclass
@@ -299,31 +304,45 @@ class BroadcastExecutor:
             threading.Thread(target=self._watch_workers, name="k3-rank-monitor", daemon=True).start()
         atexit.register(self.close)
 
-    def execute(self, step: StepInputs) -> torch.Tensor:
-        self._broadcast(OP_RUN, step)
+    def execute(self, step: StepInputs, decode: bool) -> torch.Tensor:
+        self._broadcast(OP_RUN, step, decode)
         try:
-            logits = self.local.execute(step)
+            logits = self.local.execute(step, decode)
         except Exception as e:
             self._fail(e)
         self._clean = True
         return logits
 
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Every rank copies the state rows of its own KDA heads (rank 0 decided the copies)."""
+        if self._failure is not None or self._closed:
+            raise RankFailure(self._failure or "the ranks were stopped")
+        self._clean = False
+        header = torch.tensor([OP_COPY, len(copies)] + [0] * (HEADER_LEN - 2), dtype=torch.int32)
+        try:
+            self._send_header(header)
+            dist.broadcast(torch.tensor(copies, dtype=torch.int32).reshape(-1).to(self.group.payload_device), 0)
+            self.local.copy_states(copies)
+        except Exception as e:
+            self._fail(e)
+        self._clean = True
+
     def probe_broadcast(self, step: StepInputs) -> None:
         """Broadcast ``step`` without running it; returns once every rank has it."""
-        self._broadcast(OP_PROBE, step)
+        self._broadcast(OP_PROBE, step, False)
         try:
             dist.barrier(group=self.group.control)
         except Exception as e:
             self._fail(e)
         self._clean = True
 
-    def _broadcast(self, op: int, step: StepInputs) -> None:
+    def _broadcast(self, op: int, step: StepInputs, decode: bool) -> None:
         if self._failure is not None or self._closed:
             raise RankFailure(self._failure or "the ranks were stopped")
         self._clean = False
         self.steps += 1
         shapes = step_shapes(step)
-        header = torch.tensor([op, *shapes], dtype=torch.int32)
+        header = torch.tensor([op, int(decode), *shapes], dtype=torch.int32)
         try:
             self._send_header(header)
             dist.broadcast(pack_step(step).to(self.group.payload_device), 0)
@@ -371,7 +390,7 @@ class BroadcastExecutor:
         atexit.unregister(self.close)
         if self._clean and self._failure is None:
             try:
-                self._send_header(torch.tensor([OP_STOP] + [0] * PACKED_SHAPE_LEN, dtype=torch.int32))
+                self._send_header(torch.tensor([OP_STOP] + [0] * (HEADER_LEN - 1), dtype=torch.int32))
             except Exception:
                 self._clean = False  # a worker is gone or frozen: the ones left are ended below
         if self.group.workers:
@@ -454,17 +473,22 @@ def worker_loop(executor, group: RankGroup) -> None:
     store, rank = group.store, group.rank
     alive = threading.Event()
     threading.Thread(target=_heartbeat, args=(store, rank, alive), name="k3-heartbeat", daemon=True).start()
-    header = torch.empty(1 + PACKED_SHAPE_LEN, dtype=torch.int32)
+    header = torch.empty(HEADER_LEN, dtype=torch.int32)
     try:
         while True:
             dist.broadcast(header, 0, group=group.control)
-            op, shapes = int(header[0]), header[1:].tolist()
+            op, decode, shapes = int(header[0]), bool(header[1]), header[2:].tolist()
             if op == OP_STOP:
                 break
+            if op == OP_COPY:
+                pairs = torch.empty(2 * int(header[1]), dtype=torch.int32, device=group.payload_device)
+                dist.broadcast(pairs, 0)
+                executor.copy_states([tuple(p) for p in pairs.view(-1, 2).tolist()])
+                continue
             packed = torch.empty(packed_numel(shapes), dtype=torch.int32, device=group.payload_device)
             dist.broadcast(packed, 0)
             if op == OP_RUN:
-                executor.execute(unpack_step(shapes, packed))
+                executor.execute(unpack_step(shapes, packed), decode)
             else:
                 dist.barrier(group=group.control)  # OP_PROBE: acknowledge receipt
     except Exception as e:

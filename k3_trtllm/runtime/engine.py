@@ -4,34 +4,58 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from k3_trtllm.checkpoint.detect import TRTLLM, checkpoint_format
+from k3_trtllm.checkpoint.rank_layout import RankLayout, rank_layout_for
 from k3_trtllm.checkpoint.trtllm import read_trtllm_config
 from k3_trtllm.config import K3Config, load_config
-from k3_trtllm.convert.parallel import Parallel as RankLayout
-from k3_trtllm.convert.parallel import parallel_for
-from k3_trtllm.kernels import register_cuda_kernels
-from k3_trtllm.model import K3Caches, load_model, model_from_state_dict
-from k3_trtllm.model.parallel import shard_hf_checkpoint
-from k3_trtllm.runtime.block_manager import BlockManager
-from k3_trtllm.runtime.cache_budget import size_pools
+from k3_trtllm.convert.in_memory import shard_hf_checkpoint
+from k3_trtllm.model import K3Caches, Parallel, load_model, model_from_state_dict
+from k3_trtllm.ops.cuda_library import register_cuda_kernels
+from k3_trtllm.runtime.block_manager import BlockManager, PrefixCache, StateSlots, resolve_prefix_interval, size_pools
 from k3_trtllm.runtime.distributed import RankSpec, check_world_one, rank_threads, start_world
 from k3_trtllm.runtime.executor import Executor, TorchExecutor
 from k3_trtllm.runtime.model_runner import ModelRunner
-from k3_trtllm.runtime.sampler import Sampler
-from k3_trtllm.runtime.sampling import SamplingParams
+from k3_trtllm.runtime.sampler import Sampler, SamplingParams
 from k3_trtllm.runtime.scheduler import Scheduler
 from k3_trtllm.runtime.sequence import Sequence
-from k3_trtllm.runtime.state_slots import StateSlots
-from k3_trtllm.runtime.stats import EngineStats, summarize
 from k3_trtllm.runtime.tokenizer import Tokenizer, load_tokenizer
 
 Prompt = str | list[int]
+
+# Per-step samples kept for percentiles; a long-lived engine keeps only the latest.
+_WINDOW = 100_000
+
+
+def summarize(values, scale: float = 1.0) -> dict[str, float] | None:
+    """Mean and p50/p90/p99 (nearest rank) of ``values`` times ``scale``; None if empty."""
+    data = sorted(v * scale for v in values if v is not None)
+    if not data:
+        return None
+    def rank(p: float) -> float:
+        return data[min(len(data) - 1, max(0, round(p / 100 * len(data)) - 1))]
+    return {"mean": sum(data) / len(data), "p50": rank(50), "p90": rank(90), "p99": rank(99), "max": data[-1]}
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    computed_tokens: int = 0  # tokens run through the model, recomputed ones included
+    generated_tokens: int = 0
+    peak_blocks_in_use: int = 0
+    peak_slots_in_use: int = 0
+    peak_batch: int = 0
+    first_step_time: float | None = None
+    last_step_time: float | None = None
+    scheduler_cpu_s: deque = field(default_factory=lambda: deque(maxlen=_WINDOW))
+    step_wall_s: deque = field(default_factory=lambda: deque(maxlen=_WINDOW))
+    batch_per_step: deque = field(default_factory=lambda: deque(maxlen=_WINDOW))
 
 
 @dataclass(frozen=True)
@@ -42,6 +66,12 @@ class EngineConfig:
     max_batch_size: int = 64
     max_num_tokens: int = 2048
     max_seq_len: int | None = None  # prompt + output tokens of one request; None: the pool bounds it
+    # Prefix cache (runtime/block_manager.py: PrefixCache): shared full blocks + KDA state snapshots
+    # every prefix_cache_interval tokens (0: DEFAULT_PREFIX_CACHE_INTERVAL) in snapshot_slots rows
+    # after the max_slots running ones (None: max_slots); the executor must hold that many rows.
+    prefix_cache: bool = False
+    prefix_cache_interval: int = 0
+    snapshot_slots: int | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +83,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     new_log_probs: list[float] | None = None  # when the request's sampling asked for log-probs
+    cached_tokens: int = 0  # prompt tokens its first admission took from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -66,6 +97,7 @@ class CompletedRequest:
     tpot_s: float | None
     num_preemptions: int
     output_log_probs: list[float] | None = None  # when the request's sampling asked for log-probs
+    cached_tokens: int = 0  # prompt tokens its first admission took from the prefix cache (not computed)
 
 
 class LLMEngine:
@@ -78,9 +110,14 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
-        self.scheduler = Scheduler(BlockManager(config.num_blocks, config.block_size),
-                                   StateSlots(config.max_slots), config.max_batch_size,
-                                   config.max_num_tokens, self.eos_token_ids)
+        blocks = BlockManager(config.num_blocks, config.block_size)
+        prefix = None
+        if config.prefix_cache:
+            snapshots = config.max_slots if config.snapshot_slots is None else config.snapshot_slots
+            prefix = PrefixCache(blocks, config.max_slots, snapshots,
+                                 resolve_prefix_interval(config.prefix_cache_interval, config.block_size))
+        self.scheduler = Scheduler(blocks, StateSlots(config.max_slots), config.max_batch_size,
+                                   config.max_num_tokens, self.eos_token_ids, prefix)
         self.runner = ModelRunner(executor, config.block_size)
         self.vocab_size = executor.vocab_size
         self.sampler = Sampler(self.eos_token_ids)
@@ -143,7 +180,8 @@ class LLMEngine:
             text=self.tokenizer.decode(out_text_ids) if self.tokenizer else None,
             finish_reason=seq.finish_reason, ttft_s=seq.ttft_s, tpot_s=seq.tpot_s,
             num_preemptions=seq.num_preemptions,
-            output_log_probs=list(seq.output_logprobs) if seq.sampling.logprobs else None)
+            output_log_probs=list(seq.output_logprobs) if seq.sampling.logprobs else None,
+            cached_tokens=seq.prefix_cached_tokens)
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -194,7 +232,8 @@ class LLMEngine:
             if r.finished:
                 self._finished[rid] = self._unfinished.pop(rid)
             log_probs = r.seq.output_logprobs[-1:] if r.seq.sampling.logprobs else None
-            outputs.append(RequestOutput(rid, [r.new_token_id], r.finished, r.seq.finish_reason, log_probs))
+            outputs.append(RequestOutput(rid, [r.new_token_id], r.finished, r.seq.finish_reason, log_probs,
+                                         r.seq.prefix_cached_tokens))
         return outputs
 
     def follow(self, request_ids: Iterable[int]) -> Iterator[RequestOutput]:
@@ -242,6 +281,9 @@ class LLMEngine:
     def reset_stats(self) -> None:
         self.stats = EngineStats()
         self.scheduler.num_preemptions = 0
+        self.scheduler.blocks.num_evicted = 0
+        if self.scheduler.prefix is not None:
+            self.scheduler.prefix.reset_counters()  # what is cached stays cached
 
     def summary(self) -> dict:
         stats = self.stats
@@ -259,16 +301,31 @@ class LLMEngine:
             "blocks": {"total": blocks.num_blocks, "in_use": blocks.num_used, "peak": stats.peak_blocks_in_use},
             "slots": {"total": slots.max_slots, "in_use": slots.num_used, "peak": stats.peak_slots_in_use},
             "peak_batch": stats.peak_batch,
+            "prefix_cache": self._prefix_summary(),
             "scheduler_cpu_ms_per_step": summarize(stats.scheduler_cpu_s, 1e3),
             "step_ms": summarize(stats.step_wall_s, 1e3),
         }
+
+
+    def _prefix_summary(self) -> dict:
+        p, blocks = self.scheduler.prefix, self.scheduler.blocks
+        if p is None:
+            return {"enabled": False, "interval": 0, "queries": 0, "hits": 0, "cached_tokens": 0,
+                    "snapshots_taken": 0, "snapshots_in_use": 0, "evicted_blocks": 0, "evicted_snapshots": 0,
+                    "cached_blocks": 0, "snapshot_slots": 0}
+        return {"enabled": True, "interval": p.interval, "queries": p.queries, "hits": p.hits,
+                "cached_tokens": p.cached_tokens, "snapshots_taken": p.snapshots_taken,
+                "snapshots_in_use": p.snapshots_in_use, "evicted_blocks": blocks.num_evicted,
+                "evicted_snapshots": p.evicted_snapshots, "cached_blocks": blocks.num_cached,
+                "snapshot_slots": p.snapshot_slots}
 
 
 def build_engine(model_dir: str, *, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
                  block_size: int = 16, max_batch_size: int = 64, max_num_tokens: int = 2048,
                  max_seq_len: int = 4096, num_blocks: int | None = None, max_slots: int | None = None,
                  cache_memory_gb: float | None = None, seed: int | None = None, tp: int | None = None,
-                 ep: int | None = None, batch_invariant: bool = False) -> LLMEngine | None:
+                 ep: int | None = None, batch_invariant: bool = False, prefix_cache: bool = False,
+                 prefix_cache_interval: int | None = None, snapshot_slots: int | None = None) -> LLMEngine | None:
     """Load a checkpoint, size and allocate its cache pools, and wrap it in an engine.
 
     At world size N > 1 (a converted world-N checkpoint, or an HF one with ``tp`` > 1,
@@ -280,15 +337,25 @@ def build_engine(model_dir: str, *, dtype: torch.dtype = torch.bfloat16, device:
 
     ``batch_invariant``: on CUDA, a request's output does not depend on the rest of its batch
     (``kernels.batch_invariant``; slower, and decode runs without CUDA graphs); the CPU
-    reference ops are batch-invariant already."""
+    reference ops are batch-invariant already.
+
+    ``prefix_cache``: share cached prefixes between requests (``runtime/block_manager.py``:
+    ``PrefixCache``), with a KDA state snapshot every ``prefix_cache_interval`` tokens in
+    ``snapshot_slots`` rows (None: ``size_pools`` sizes them); every rank keeps its own heads'
+    snapshots and rank 0 decides the hits."""
     cfg, tp, ep = _checkpoint_layout(model_dir, tp, ep)
+    interval = resolve_prefix_interval(prefix_cache_interval, block_size) if prefix_cache else 0
     pools = size_pools(K3Caches.bytes_per_block(cfg, block_size, dtype), K3Caches.bytes_per_slot(cfg, dtype, tp),
                        block_size=block_size, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                       cache_memory_gb=cache_memory_gb, num_blocks=num_blocks, max_slots=max_slots)
+                       cache_memory_gb=cache_memory_gb, num_blocks=num_blocks, max_slots=max_slots,
+                       prefix_cache=prefix_cache, snapshot_slots=snapshot_slots, prefix_cache_interval=interval)
     spec = RankSpec(str(model_dir), dtype, torch.device(device).type, tp, ep, pools.num_blocks, pools.max_slots,
-                    block_size, threads=rank_threads(tp), batch_invariant=batch_invariant)
+                    block_size, threads=rank_threads(tp), batch_invariant=batch_invariant,
+                    snapshot_slots=pools.snapshot_slots)
     config = EngineConfig(num_blocks=pools.num_blocks, max_slots=pools.max_slots, block_size=block_size,
-                          max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len)
+                          max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
+                          prefix_cache=prefix_cache, prefix_cache_interval=interval,
+                          snapshot_slots=pools.snapshot_slots)
     return start_engine(spec, _rank_executor, cfg, config, device, model_dir, seed)
 
 
@@ -321,14 +388,14 @@ def _checkpoint_layout(model_dir, tp: int | None, ep: int | None) -> tuple[K3Con
                              f"{layout.tp}, ep {layout.ep} (its rank files fix them; leave --tp/--ep out)")
         return cfg, layout.tp, layout.ep
     cfg = load_config(model_dir)
-    layout = parallel_for(cfg, tp or 1, ep or 1, cfg.moe is not None and cfg.moe.mxfp4)
+    layout = rank_layout_for(cfg, tp or 1, ep or 1, cfg.moe is not None and cfg.moe.mxfp4)
     return cfg, layout.tp, layout.ep
 
 
 def _rank_executor(spec: RankSpec, device: torch.device) -> TorchExecutor:
     """This rank's model shard and cache pools (module level: spawned ranks unpickle it)."""
     if spec.batch_invariant and device.type == "cuda":
-        from k3_trtllm.kernels.batch_invariant import set_batch_invariant
+        from k3_trtllm.ops.batch_invariant import set_batch_invariant
 
         set_batch_invariant(True)  # before the model loads: the MoE/MLA kernels read it at each launch
     if spec.tp == 1 or checkpoint_format(spec.model_dir) == TRTLLM:
@@ -336,8 +403,9 @@ def _rank_executor(spec: RankSpec, device: torch.device) -> TorchExecutor:
     else:
         if device.type == "cuda":
             register_cuda_kernels()
-        cfg, state, parallel = shard_hf_checkpoint(spec.model_dir, spec.tp, spec.ep, dist.get_rank())
-        model = model_from_state_dict(cfg, state, spec.dtype, device, parallel)
+        cfg, state, layout = shard_hf_checkpoint(spec.model_dir, spec.tp, spec.ep, dist.get_rank())
+        model = model_from_state_dict(cfg, state, spec.dtype, device, Parallel.from_layout(layout, dist.get_rank()))
     caches = model.allocate_caches(spec.num_blocks, spec.block_size, spec.max_slots)
+    caches.allocate_snapshots(spec.snapshot_slots)
     # the mode's row-chunked overrides are proven eager only (tests/gpu/test_determinism.py)
     return TorchExecutor(model, caches, device, cuda_graphs=False if spec.batch_invariant else None)

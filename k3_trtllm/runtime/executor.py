@@ -1,4 +1,4 @@
-"""What runs a step: the engine only needs ``execute(step) -> logits``."""
+"""What runs a step: the engine only needs ``execute(step, decode) -> logits``."""
 from __future__ import annotations
 
 import warnings
@@ -15,12 +15,18 @@ class Executor(Protocol):
 
     ``execute`` returns fp32 logits ``[len(step.logits_indices), vocab_size]`` and
     updates the latent-cache blocks and KDA state rows named by the step in place.
+    ``decode`` is the step's phase as the model runner decided it on the host
+    (``model/step.py: is_pure_decode``); an executor acts on it and never re-derives it.
     """
 
     vocab_size: int
     device: torch.device
 
-    def execute(self, step: StepInputs) -> torch.Tensor: ...
+    def execute(self, step: StepInputs, decode: bool) -> torch.Tensor: ...
+
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Copy KDA conv + recurrent state row ``src`` to row ``dst`` for each pair, in every
+        KDA layer (the prefix cache's snapshots; rows as in ``block_manager.PrefixCache``)."""
 
 
 def padded_width(width: int) -> int:
@@ -93,8 +99,9 @@ class TorchExecutor:
     the first step of a shape runs eagerly (its warm-up) and is then captured; later steps of
     that shape copy their inputs into the graph's static buffers and replay it. Decode steps
     run at the padded width on both paths, so a replay computes exactly what the eager step
-    does. The phase is read off the step while it is still on the host (``build_step`` makes
-    it there), so choosing costs no device sync. Prefill and mixed steps run eagerly.
+    does. The phase is the runner's ``decode``, so choosing costs no device sync; a graph
+    replays from a step on the host (``build_step`` makes it there). Prefill and mixed steps
+    run eagerly.
     Multi-rank models stay eager (every rank would have to capture the same collectives)."""
 
     def __init__(self, model: torch.nn.Module, caches, device: torch.device | str,
@@ -120,10 +127,10 @@ class TorchExecutor:
         self._pool = None
 
     @torch.inference_mode()
-    def execute(self, step: StepInputs) -> torch.Tensor:
+    def execute(self, step: StepInputs, decode: bool) -> torch.Tensor:
+        # a replay stages the step through pinned host memory: a step already on the device runs eagerly
         on_host = step.input_ids.device.type == "cpu"
-        decode = step.is_pure_decode() if on_host else None  # on the device it would sync
-        if not (self.cuda_graphs and decode and step.num_seqs <= self.max_graph_batch):
+        if not (self.cuda_graphs and decode and on_host and step.num_seqs <= self.max_graph_batch):
             return self.model(step.to(self.device), self.caches, decode)
         width = padded_width(step.block_tables.shape[1])
         step = pad_block_tables(step, width)
@@ -136,6 +143,10 @@ class TorchExecutor:
             return logits
         self.graph_replays += 1
         return graph.run(step)
+
+    @torch.inference_mode()
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        self.caches.copy_states(copies)  # on the pools' stream: ordered with the steps around it
 
     def _capture(self, key: tuple[int, int], num_seqs: int, width: int) -> None:
         """Capture one decode shape. A capture that fails (an op that syncs or falls back to

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from k3_trtllm.runtime.sampling import SamplingParams
-from k3_trtllm.runtime.sequence import Sequence
+from k3_trtllm.runtime.sequence import SamplingParams, Sequence
 
 
 class Sampler:

@@ -5,19 +5,25 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from k3_trtllm.runtime.block_manager import BlockManager
+from k3_trtllm.runtime.block_manager import BlockManager, PrefixCache, StateSlots
 from k3_trtllm.runtime.sequence import Sequence, SequenceStatus
-from k3_trtllm.runtime.state_slots import StateSlots
 
 
 @dataclass
 class ScheduledBatch:
     """``entries`` are ``(sequence, num_new_tokens)``: run ``token_ids[num_cached_tokens:
     num_cached_tokens + num_new_tokens]`` of each. ``sampling`` lists the sequences whose
-    chunk reaches the end of their tokens, in entry order: only they sample a token."""
+    chunk reaches the end of their tokens, in entry order: only they sample a token.
+
+    With the prefix cache, ``restores`` are the KDA state copies ``(snapshot row, slot)`` to
+    run before the step (sequences admitted on a cached prefix) and ``saves`` the copies
+    ``(slot, snapshot row)`` to run after it (chunks that end at a snapshot position); rows
+    are in ``PrefixCache``'s namespace."""
 
     entries: list[tuple[Sequence, int]] = field(default_factory=list)
     sampling: list[Sequence] = field(default_factory=list)
+    restores: list[tuple[int, int]] = field(default_factory=list)
+    saves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -46,16 +52,23 @@ class Scheduler:
     its tokens uncached); if there is none, the sequence preempts itself. No new
     sequence is admitted in a step that preempted, so freed blocks go to the running
     ones first. A new sequence needs a free state slot; running out of slots only makes
-    it wait, since running sequences never need a second one."""
+    it wait, since running sequences never need a second one.
+
+    With a ``prefix`` cache, a new sequence starts from the deepest cached prefix with a KDA
+    snapshot (its blocks shared, its state restored, only the rest computed), and every chunk
+    ends at the next snapshot position if it would cross it, where the state is saved.
+    Cached blocks count as free: they are evicted before any running sequence is preempted."""
 
     def __init__(self, blocks: BlockManager, slots: StateSlots, max_batch_size: int,
-                 max_num_tokens: int, eos_token_ids: tuple[int, ...] = ()) -> None:
+                 max_num_tokens: int, eos_token_ids: tuple[int, ...] = (),
+                 prefix: PrefixCache | None = None) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_num_tokens < 1:
             raise ValueError(f"max_num_tokens must be >= 1, got {max_num_tokens}")
         self.blocks = blocks
         self.slots = slots
+        self.prefix = prefix
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -96,7 +109,10 @@ class Scheduler:
                 if capacity == 0:
                     continue  # seq preempted itself
                 # A prefill chunk shrinks to the room there is instead of preempting more.
-                budget -= self._schedule(batch, scheduled, seq, min(seq.num_uncached_tokens, budget, capacity))
+                n = min(seq.num_uncached_tokens, budget, capacity)
+                # Ending chunks at snapshot positions (and copying the state row after the step)
+                # is the lead's choice over kernels writing snapshots mid-chunk: see PrefixCache.
+                budget -= self._schedule(batch, scheduled, seq, self.prefix.clip(seq, n) if self.prefix else n)
         if self.num_preemptions == preemptions_before:
             self._admit(batch, scheduled, budget)
         return batch
@@ -105,8 +121,14 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(batch.entries) < self.max_batch_size
                and len(self.running) < self.max_batch_size and self.slots.num_free > 0):
             seq = self.waiting[0]
-            n = min(seq.num_uncached_tokens, budget)
-            capacity = self.blocks.capacity(seq)
+            hit = self.prefix.lookup(seq) if self.prefix else None
+            cached = hit.num_tokens if hit else 0
+            n = min(len(seq.token_ids) - cached, budget)
+            # the hit's blocks are full, and the cached ones among them stop being free
+            capacity = (self.blocks.num_free - (self.blocks.num_reclaimed_by(hit.blocks) if hit else 0)) \
+                * self.blocks.block_size
+            if self.prefix:
+                n = min(n, self.prefix.interval)  # cached is a snapshot position: the next is one interval on
             if capacity < n:
                 # Start on a smaller chunk only when nothing else runs: otherwise the
                 # sequence would hold blocks it cannot use and be the next victim.
@@ -117,11 +139,19 @@ class Scheduler:
             seq.state_slot = self.slots.acquire()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if self.prefix:
+                self.prefix.queries += 1
+                if hit:
+                    batch.restores.append(self.prefix.restore(seq, hit))
+                if seq.num_preemptions == 0:
+                    seq.prefix_cached_tokens = cached
             budget -= self._schedule(batch, scheduled, seq, n)
 
     def _schedule(self, batch: ScheduledBatch, scheduled: set[int], seq: Sequence, n: int) -> int:
         self.blocks.allocate(seq, n)
         batch.entries.append((seq, n))
+        if self.prefix and (save := self.prefix.save(seq, n)):
+            batch.saves.append(save)
         if n == seq.num_uncached_tokens:
             batch.sampling.append(seq)
         scheduled.add(seq.seq_id)
@@ -159,6 +189,10 @@ class Scheduler:
             raise ValueError(f"got {len(sampled)} sampled tokens for {len(batch.sampling)} sampling sequences")
         for seq, n in batch.entries:
             seq.num_cached_tokens += n
+            if self.prefix:
+                self.blocks.register(seq, seq.num_cached_tokens - n, seq.num_cached_tokens)
+        if self.prefix:
+            self.prefix.commit()
         results = []
         any_finished = False
         for seq, token in zip(batch.sampling, sampled):

@@ -56,6 +56,11 @@ class LoopStats:
     cancelled: int
     failed: int
     steps: int
+    # the prefix cache (0 without it): admissions that looked a prefix up, those that found
+    # one, and the prompt tokens the found prefixes covered
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    cached_tokens: int = 0
 
 
 class EngineLoop:
@@ -209,9 +214,12 @@ class EngineLoop:
 
     def _snapshot(self) -> LoopStats:
         blocks, slots = self.engine.scheduler.blocks, self.engine.scheduler.slots
+        prefix = self.engine.scheduler.prefix
+        cache = {} if prefix is None else dict(prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
+                                               cached_tokens=prefix.cached_tokens)
         return LoopStats(active_requests=len(self._active), blocks_in_use=blocks.num_used,
                          blocks_total=blocks.num_blocks, slots_in_use=slots.num_used, slots_total=slots.max_slots,
-                         steps=self.engine.stats.num_steps, **self._counts)
+                         steps=self.engine.stats.num_steps, **self._counts, **cache)
 
     def _publish_stats(self) -> None:
         stats = self._snapshot()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from k3_trtllm.runtime.sampling import SamplingParams
+from k3_trtllm.runtime.sequence import SamplingParams
 from k3_trtllm.runtime.tokenizer import Tokenizer
 
 # name -> (Triton data type, dims without the batch dimension, optional)

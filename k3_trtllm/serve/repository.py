@@ -24,6 +24,7 @@ ENGINE_PARAMETERS = {
     "dtype": str, "device": str, "block_size": int, "max_batch_size": int, "max_num_tokens": int,
     "max_seq_len": int, "num_blocks": int, "max_slots": int, "cache_memory_gb": float, "seed": int,
     "tp": int, "ep": int,  # world size > 1: the Triton model is rank 0 and starts the other ranks
+    "prefix_cache": flag, "prefix_cache_interval": int, "snapshot_slots": int,
 }
 # The loop's cancellation check period, and the file whose appearance drains the loop.
 LOOP_PARAMETERS = {"cancellation_check_period_ms": float, "drain_file": str}
@@ -156,7 +157,7 @@ def engine_kwargs_from_parameters(parameters: dict[str, str], engine_dir: bool =
         raise ValueError(f"config.pbtxt parameter dtype={engine['dtype']!r} is not a torch dtype")
     engine["dtype"] = dtype
     if "cache_memory_gb" not in engine and ("num_blocks" not in engine or "max_slots" not in engine):
-        from k3_trtllm.runtime.cache_budget import DEFAULT_CACHE_MEMORY_GB
+        from k3_trtllm.runtime.block_manager import DEFAULT_CACHE_MEMORY_GB
 
         engine["cache_memory_gb"] = DEFAULT_CACHE_MEMORY_GB
     return parameters["model_dir"], engine, loop

@@ -4,7 +4,8 @@ Loaded by the ``model.py`` that ``k3-trt triton-repo`` writes; runs inside Trito
 backend stub, where ``triton_python_backend_utils`` exists. ``execute`` only parses and
 queues; the engine loop thread streams each request's tokens through its response sender.
 Engine state is published as Triton metrics on the metrics port:
-``k3_engine{model="k3",quantity="blocks_in_use"}`` and the other LoopStats fields.
+``k3_engine{model="k3",quantity="blocks_in_use"}`` and the other LoopStats fields (with
+``--prefix-cache``: ``prefix_cache_queries``, ``prefix_cache_hits`` and ``cached_tokens``).
 
 Draining: when the ``drain_file`` parameter names a file and that file appears (``k3-trt
 serve`` creates it on SIGINT/SIGTERM), the loop stops admitting and ends every open
@@ -62,7 +63,7 @@ class EngineMetrics:
     """Engine counters as Triton gauges, so that clients and tests can see leaks."""
 
     NAMES = ("active_requests", "blocks_in_use", "blocks_total", "slots_in_use", "slots_total",
-             "finished", "cancelled", "failed", "steps")
+             "finished", "cancelled", "failed", "steps", "prefix_cache_queries", "prefix_cache_hits", "cached_tokens")
 
     def __init__(self, model_name: str) -> None:
         self.family = pb_utils.MetricFamily(name="k3_engine", description="k3-trt engine state and request counts",

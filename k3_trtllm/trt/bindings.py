@@ -60,7 +60,3 @@ def import_tensorrt(which: str = "auto") -> ModuleType:
             if which != "auto":
                 raise BuilderUnavailable(f"importing {MODULES[name]} failed: {e}. {INSTALL_HINT}") from e
     raise BuilderUnavailable(INSTALL_HINT if which == "auto" else f"{MODULES[which]} is not installed. {INSTALL_HINT}")
-
-
-def flavour(trt: ModuleType) -> str:
-    return "tensorrt-rtx" if trt.__name__ == MODULES["tensorrt-rtx"] else "tensorrt"

@@ -13,7 +13,7 @@ Backends run one segment given its inputs and its preallocated outputs:
 - ``CpuSegments``: onnx's ReferenceEvaluator on the ONNX segments, the ``k3`` nodes calling
   the reference ops (``export/cpu_eval.py``); what CI runs.
 - ``TensorRTSegments``: one deserialised plan and execution context per segment kind,
-  tensors bound by address, the profile chosen from the step's extents, everything on
+  tensors bound by address, the profile picked by the runner's phase, everything on
   torch's current CUDA stream. It has never executed: TensorRT proper is not installable
   on our machines and TensorRT-RTX plans do not run on the H200 (DESIGN §6)."""
 from __future__ import annotations
@@ -32,11 +32,11 @@ from ..checkpoint.errors import CheckpointError
 from ..checkpoint.safetensors_format import SafetensorsFormatError, read_header, read_tensor
 from ..checkpoint.trtllm import rank_file, read_trtllm_config
 from ..config import parse_config
-from ..convert.parallel import Parallel as RankLayout
+from ..checkpoint.rank_layout import RankLayout
 from ..export.segments import DTYPES, weight_dtype
 from ..model.caches import K3Caches
 from ..model.step import StepInputs
-from .profiles import BuildLimits, pick_profile
+from .profiles import DECODE, PREFILL
 from .segment_layout import LAYOUT
 
 
@@ -189,7 +189,8 @@ class TensorRTSegments:
 # ---------------------------------------------------------------------------------------
 class EngineExecutor:
     def __init__(self, engine_dir: str | Path, *, num_blocks: int, max_slots: int, checkpoint: str | Path | None = None,
-                 device: str | torch.device = "cpu", backend: str = "auto", plugin_lib: str | Path | None = None):
+                 device: str | torch.device = "cpu", backend: str = "auto", plugin_lib: str | Path | None = None,
+                 snapshot_slots: int = 0):
         engine_dir = Path(engine_dir)
         config = read_engine_config(engine_dir)
         self.config, self.device = config, torch.device(device)
@@ -203,7 +204,6 @@ class EngineExecutor:
         checkpoint = engine_checkpoint(config, engine_dir, checkpoint)
         cfg = self.cfg = check_checkpoint(config, engine_dir, checkpoint)
         lim = config["limits"]
-        self.limits = BuildLimits(lim["max_batch_size"], lim["max_num_tokens"], lim["max_seq_len"], lim["block_size"])
         if not 1 <= num_blocks <= lim["max_num_blocks"] or not 1 <= max_slots <= lim["max_batch_size"]:
             raise EngineDirError(f"num_blocks must be in [1, {lim['max_num_blocks']}] and max_slots in "
                                  f"[1, {lim['max_batch_size']}] (the engine's profiles)")
@@ -212,8 +212,10 @@ class EngineExecutor:
         self.vocab_size = cfg.vocab_size
         self.backend = self._open_backend(engine_dir, backend, plugin_lib)  # before the (slow) weight load
         self._load_weights(engine_dir, checkpoint)
+        # the prefix cache's snapshot rows are pools of their own: the segments bind only the
+        # running slots, so the engine's profiles are unchanged
         self.caches = K3Caches.allocate(cfg, num_blocks, lim["block_size"], max_slots, self.act, self.device,
-                                        config["mapping"]["tp_size"])
+                                        config["mapping"]["tp_size"], snapshot_slots)
         rank_info = config["ranks"][self.rank]
         i32 = dict(dtype=torch.int32, device=self.device)
         self.rank_inputs = {"vocab_start": torch.tensor([rank_info["vocab_start"]], **i32),
@@ -279,6 +281,10 @@ class EngineExecutor:
         if stored:
             raise EngineDirError(f"{path}: tensors no segment of engine {engine_dir} takes: {sorted(stored)[:5]}")
 
+    @torch.inference_mode()
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        self.caches.copy_states(copies)
+
     # -- one step --------------------------------------------------------------------
     def _run(self, kind: str, feeds: dict[str, torch.Tensor], dims: dict[str, int], phase: str,
              pools: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
@@ -306,9 +312,11 @@ class EngineExecutor:
         return {"latent_cache": c.latent[index]}
 
     @torch.inference_mode()
-    def execute(self, step: StepInputs) -> torch.Tensor:
+    def execute(self, step: StepInputs, decode: bool) -> torch.Tensor:
         step = step.to(self.device)
-        phase = pick_profile(step.num_tokens, step.num_seqs, self.limits)
+        # the runner's phase picks the profile: a pure-decode step fits the decode profile
+        # (one token per sequence, at most max_batch_size sequences)
+        phase = DECODE if decode else PREFILL
         dims = _dims(step)
         step_tensors = {f: getattr(step, f) for f in StepInputs.__dataclass_fields__}
         run = partial(self._run, dims=dims, phase=phase)
@@ -365,7 +373,7 @@ def _rank_executor(engine_dir: str, checkpoint: str, backend: str, plugin_lib, s
     """``runtime.distributed``'s ``make_executor`` for one rank (module level: pickled to
     spawned ranks; the engine-dir arguments are bound with ``functools.partial``)."""
     return EngineExecutor(engine_dir, num_blocks=spec.num_blocks, max_slots=spec.max_slots, checkpoint=checkpoint,
-                          device=device, backend=backend, plugin_lib=plugin_lib)
+                          device=device, backend=backend, plugin_lib=plugin_lib, snapshot_slots=spec.snapshot_slots)
 
 
 def _within(name: str, given, engine_value, equal: bool = False):
@@ -383,12 +391,13 @@ def engine_dir_engine(engine_dir: str | Path, *, checkpoint: str | Path | None =
                       max_num_tokens: int | None = None, max_seq_len: int | None = None,
                       num_blocks: int | None = None, max_slots: int | None = None,
                       cache_memory_gb: float | None = None, seed: int | None = None, backend: str = "auto",
-                      plugin_lib: str | Path | None = None):
+                      plugin_lib: str | Path | None = None, prefix_cache: bool = False,
+                      prefix_cache_interval: int | None = None, snapshot_slots: int | None = None):
     """The runner over ``engine_dir``'s segments. Limits not given are the engine's; given
-    ones must fit it. At world size N > 1 the ranks are started or joined as for a
+    ones must fit it. The prefix-cache arguments are ``build_engine``'s. At world size N > 1 the ranks are started or joined as for a
     checkpoint (``runtime/distributed.py``); on a torchrun rank other than 0 this serves
     steps and returns None."""
-    from ..runtime.cache_budget import DEFAULT_CACHE_MEMORY_GB, size_pools
+    from ..runtime.block_manager import DEFAULT_CACHE_MEMORY_GB, resolve_prefix_interval, size_pools
     from ..runtime.distributed import RankSpec, rank_threads
     from ..runtime.engine import EngineConfig, start_engine
 
@@ -406,13 +415,18 @@ def engine_dir_engine(engine_dir: str | Path, *, checkpoint: str | Path | None =
         cache_memory_gb = DEFAULT_CACHE_MEMORY_GB
     pools = size_pools(K3Caches.bytes_per_block(cfg, block_size, act), K3Caches.bytes_per_slot(cfg, act, tp),
                        block_size=block_size, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                       cache_memory_gb=cache_memory_gb, num_blocks=num_blocks, max_slots=max_slots)
+                       cache_memory_gb=cache_memory_gb, num_blocks=num_blocks, max_slots=max_slots,
+                       prefix_cache=prefix_cache, snapshot_slots=snapshot_slots,
+                       prefix_cache_interval=prefix_cache_interval)
+    interval = resolve_prefix_interval(prefix_cache_interval, block_size) if prefix_cache else 0
     # a derived pool is capped at what the engine's profiles admit; explicit counts are checked
     num_blocks = num_blocks or min(pools.num_blocks, lim["max_num_blocks"])
     max_slots = max_slots or min(pools.max_slots, lim["max_batch_size"])
     make = partial(_rank_executor, str(engine_dir), str(checkpoint), backend, plugin_lib)
     spec = RankSpec(str(engine_dir), act, torch.device(device).type, tp, config["mapping"]["moe_ep_size"],
-                    num_blocks, max_slots, block_size, threads=rank_threads(tp))
+                    num_blocks, max_slots, block_size, threads=rank_threads(tp), snapshot_slots=pools.snapshot_slots)
     engine_config = EngineConfig(num_blocks=num_blocks, max_slots=max_slots, block_size=block_size,
-                                 max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len)
+                                 max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
+                                 prefix_cache=prefix_cache, prefix_cache_interval=interval,
+                                 snapshot_slots=pools.snapshot_slots)
     return start_engine(spec, make, cfg, engine_config, device, checkpoint, seed)

@@ -1,8 +1,8 @@
 """Build limits and the two optimisation profiles (prefill-sized and decode-sized).
 
 Pure Python: the build config records them, the builder turns them into TensorRT
-profiles, the executor picks one per step from extents it already knows on the host
-(a step with as many tokens as sequences, at most ``max_batch_size``, is a decode step)."""
+profiles, the engine executor runs a step on the one of its phase (``decode``, which the
+model runner decides on the host: ``model/step.py: is_pure_decode``)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -67,7 +67,3 @@ def profile_shapes(inputs: tuple[TensorIO, ...], limits: BuildLimits, phase: str
     for t in inputs:
         out[t.name] = [[d if isinstance(d, int) else ranges[d][k] for d in t.shape] for k in range(3)]
     return out
-
-
-def pick_profile(num_tokens: int, num_seqs: int, limits: BuildLimits) -> str:
-    return DECODE if num_tokens == num_seqs <= limits.max_batch_size else PREFILL

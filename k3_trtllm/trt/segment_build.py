@@ -27,7 +27,7 @@ from ..checkpoint.errors import CheckpointError
 from ..checkpoint.safetensors_format import SafetensorsFormatError, read_header
 from ..checkpoint.trtllm import ARCHITECTURE, rank_file, read_trtllm_config
 from ..config import K3Config, load_config
-from ..convert.parallel import Parallel as RankLayout
+from ..checkpoint.rank_layout import RankLayout
 from ..export.exporter import OPSET
 from ..export.schemas import DOMAIN
 from ..export.segments import ATTN_BLOCKS, SegmentPlan, World, export_segments, weight_dtype

@@ -141,7 +141,8 @@ int32_t ContractPlugin::enqueue(const PluginTensorDesc* in_desc, const PluginTen
       }
     }
   }
-  const LaunchArgs args{fields_, in_desc, out_desc, inputs, outputs, workspace, workspace_bytes_, stream};
+  const LaunchArgs args{fields_, contract_.nb_inputs, in_desc, out_desc, inputs, outputs, workspace,
+                        workspace_bytes_, stream};
   const int err = kernels_.launch(args);
   if (err != 0) {
     log_error(std::string(contract_.plugin) + ": kernel launch failed with CUDA error " + std::to_string(err));

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "contract.h"
+#include "k3/params.h"
 
 namespace k3trt {
 
@@ -21,6 +22,7 @@ struct Fields {
 
 struct LaunchArgs {
   const Fields& fields;
+  int nb_inputs;
   const PluginTensorDesc* in_desc;
   const PluginTensorDesc* out_desc;
   const void* const* inputs;
@@ -39,6 +41,20 @@ struct OpKernels {
 };
 
 void log_error(const std::string& msg);
+
+// The generated index enums and set_sizes / set_tensors of every launcher params struct.
+#include "launch_params.inc"
+
+// The params struct of an enqueue: dims and attributes, then the tensors.
+template <class Params>
+Params launch_params(const LaunchArgs& a) {
+  Dims dims[kMaxInputs];
+  for (int i = 0; i < a.nb_inputs && i < kMaxInputs; ++i) dims[i] = a.in_desc[i].dims;
+  Params p{};
+  set_sizes(p, dims, a.fields);
+  set_tensors(p, a);
+  return p;
+}
 
 class ContractPlugin : public IPluginV3, public IPluginV3OneCore, public IPluginV3OneBuild,
                        public IPluginV3OneRuntime {

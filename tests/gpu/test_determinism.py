@@ -17,7 +17,7 @@ the eager step.
   tokens run alone, and the 16 as a batch, equal their rows of a 300-token call bitwise.
 - The MLA kernels' batch-invariant mode (split-KV at fixed key multiples, absorbed prefill):
   each sequence of a mixed-context batch run alone equals its rows of the batched call bitwise.
-- The whole batch-invariant mode (kernels/batch_invariant.py): 16 prompts prefilled in one step
+- The whole batch-invariant mode (ops/batch_invariant.py): 16 prompts prefilled in one step
   and decoded greedily together give, step by step, the logits (bitwise) and tokens of each
   prompt run alone.
 
@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3_trtllm.kernels import library_path
+from k3_trtllm.ops.cuda_library import library_path
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny-k3"
@@ -84,7 +84,7 @@ def moe_inputs(case, T, mxfp4, seed):
 
 @pytest.fixture(scope="module")
 def cuda_moe():
-    from k3_trtllm.kernels import moe  # registers the CUDA kernels
+    from k3_trtllm.ops.moe import cuda as moe  # registers the CUDA kernels
     return moe
 
 
@@ -179,15 +179,15 @@ def mla_call(fn, s, heads, dims, rows=None):
     return out, cache
 
 
-@pytest.mark.filterwarnings("error::k3_trtllm.kernels.KernelFallbackWarning")  # the kernels must run
+@pytest.mark.filterwarnings("error::k3_trtllm.ops.cuda_library.KernelFallbackWarning")  # the kernels must run
 @pytest.mark.parametrize("form", ["decode", "prefill"])
 @pytest.mark.parametrize("heads, dims", [(12, MLA_K3), (96, MLA_K3), (4, MLA_TINY)], ids=["k3-12h", "k3-96h", "tiny"])
 def test_mla_batch_invariant_mode_each_sequence_alone_equals_batched(cuda_moe, heads, dims, form):
     """Under the batch-invariant mode, each sequence of a batch (contexts up to 9000 keys, so
     the long ones take many splits while alone the short ones take one) run alone gives its
     rows of the batched call bitwise, and writes the same latent rows."""
-    from k3_trtllm.kernels import mla as cuda_mla
-    from k3_trtllm.kernels.batch_invariant import set_batch_invariant
+    from k3_trtllm.ops.mla import cuda as cuda_mla
+    from k3_trtllm.ops.batch_invariant import set_batch_invariant
     contexts = [0, 5, 300, 1000, 3000, 9000]
     new = [1] * 6 if form == "decode" else [40, 1, 300, 77, 1, 130]
     fn = cuda_mla.mla_decode_cuda if form == "decode" else cuda_mla.mla_prefill_cuda
@@ -329,7 +329,7 @@ def generate(model, prompts: list[list[int]], steps: int) -> tuple[list[list[int
 
 
 def test_batch_invariant_mode_16_prompts_batched_equal_each_alone(model):
-    from k3_trtllm.kernels.batch_invariant import set_batch_invariant
+    from k3_trtllm.ops.batch_invariant import set_batch_invariant
     g = torch.Generator().manual_seed(23)
     lengths = torch.randint(1, 60, (16,), generator=g).tolist()
     prompts = [torch.randint(3, 1024, (n,), generator=g).tolist() for n in lengths]

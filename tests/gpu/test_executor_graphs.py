@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3_trtllm.kernels import library_path
+from k3_trtllm.ops.cuda_library import library_path
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny-k3"
@@ -48,17 +48,18 @@ def test_decode_graph_replay_equals_the_eager_step_bitwise(num_seqs):
     prompts = [torch.randint(3, 1024, (40,), generator=gen).tolist() for _ in range(num_seqs)]
     lengths = [13 + 7 * i for i in range(num_seqs)]  # different contexts, one shared width bucket
     tables = [list(range(8 * i, 8 * i + 8)) for i in range(num_seqs)]
-    graphs.execute(build_step([(p[:n], 0, i, t) for i, (p, n, t) in enumerate(zip(prompts, lengths, tables))], BS))
+    graphs.execute(build_step([(p[:n], 0, i, t) for i, (p, n, t) in enumerate(zip(prompts, lengths, tables))], BS),
+                   decode=False)
     assert graphs.graphs == {}  # prefill stays eager
     for d in range(5):
         step = build_step([([p[n + d]], n + d, i, t[: (n + d) // BS + 1])
                            for i, (p, n, t) in enumerate(zip(prompts, lengths, tables))], BS)
         before = {k: t.clone() for k, t in _pools(caches).items()}
-        ref = eager.execute(pad_block_tables(step, padded_width(step.block_tables.shape[1])))
+        ref = eager.execute(pad_block_tables(step, padded_width(step.block_tables.shape[1])), decode=True)
         ref_pools = {k: t.clone() for k, t in _pools(caches).items()}
         for k, t in _pools(caches).items():
             t.copy_(before[k])
-        got = graphs.execute(step)
+        got = graphs.execute(step, decode=True)
         torch.cuda.synchronize()
         assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), f"decode step {d}: logits differ"
         assert _differing(ref_pools, _pools(caches)) == [], f"decode step {d}"
@@ -81,10 +82,10 @@ def test_a_shape_whose_capture_fails_runs_eagerly_with_one_warning(monkeypatch):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(executor_module, "_DecodeGraph", failing_capture)
-    graphs.execute(build_step([(list(range(3, 20)), 0, 0, list(range(8)))], BS))
+    graphs.execute(build_step([(list(range(3, 20)), 0, 0, list(range(8)))], BS), decode=False)
     with pytest.warns(RuntimeWarning, match="run eagerly"):
-        graphs.execute(build_step([([20], 17, 0, [0, 1])], BS))
+        graphs.execute(build_step([([20], 17, 0, [0, 1])], BS), decode=True)
     for d in range(3):
-        logits = graphs.execute(build_step([([21 + d], 18 + d, 0, [0, 1])], BS))
+        logits = graphs.execute(build_step([([21 + d], 18 + d, 0, [0, 1])], BS), decode=True)
         assert torch.isfinite(logits).all()
     assert len(attempts) == 1 and graphs.graphs == {} and graphs.graph_replays == 0

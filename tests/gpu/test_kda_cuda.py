@@ -1,4 +1,4 @@
-"""CUDA KDA kernels (plugins/kernels/kda.cu) against the fp32 reference ops on the CPU.
+"""CUDA KDA kernels (plugins/c_api/kda.cu) against the fp32 reference ops on the CPU.
 
 The oracle is the reference ``k3::kda_decode`` run on CPU copies: the exact token
 recurrence of §4.5.6 in fp32 (it is itself checked against the chunked form in
@@ -29,12 +29,12 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 import k3_trtllm.ops.kda  # noqa: F401,E402  (registers the reference ops)
-from k3_trtllm import kernels  # noqa: E402
+from k3_trtllm.ops import cuda_library as kernels  # noqa: E402
 
 if not kernels.library_path().exists():
     pytest.skip("build/libk3_kernels.so not built", allow_module_level=True)
 
-from k3_trtllm.kernels import kda as kda_kernels  # noqa: F401,E402  (installs the CUDA kernels)
+from k3_trtllm.ops.kda import cuda as kda_kernels  # noqa: F401,E402  (installs the CUDA kernels)
 
 CONV_WIDTH = 4
 PREFILL_TOL = (1e-2, 5e-3)  # (out, state), see the module docstring

@@ -1,4 +1,4 @@
-"""CUDA MLA kernels (plugins/kernels/mla.cu) against the fp32 reference ops.
+"""CUDA MLA kernels (plugins/c_api/mla.cu) against the fp32 reference ops.
 
 Skipped without CUDA. Needs the kernel library (build_scripts/build_kernels.sh or
 K3_KERNELS_LIB). Tolerance: relative Frobenius error <= 1e-2 for both forms. Inputs and
@@ -27,8 +27,8 @@ TOL = 1e-2
 
 @pytest.fixture(scope="module")
 def ops():
-    from k3_trtllm.kernels import mla as cuda_mla  # registers the CUDA kernels
-    from k3_trtllm.ops.mla import op as reference
+    from k3_trtllm.ops.mla import cuda as cuda_mla  # registers the CUDA kernels
+    from k3_trtllm.ops.mla import reference as reference
     return cuda_mla, reference
 
 

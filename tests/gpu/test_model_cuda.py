@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3_trtllm.kernels import library_path
+from k3_trtllm.ops.cuda_library import library_path
 from k3_trtllm.ops import registry
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,10 +48,10 @@ def _prefill_then_decodes(model, device: str) -> torch.Tensor:
     tables = [[0, 1, 2, 3, 4], [5], [6]]
     caches = model.allocate_caches(8, BS, 3)
     seqs = [(p[:n], 0, i, t) for i, (p, n, t) in enumerate(zip(prompts, lengths, tables))]
-    rows = [model(build_step(seqs, BS, logits_all=True).to(device), caches)]
+    rows = [model(build_step(seqs, BS, logits_all=True).to(device), caches, decode=False)]
     for d in range(3):
         seqs = [([p[n + d]], n + d, i, t) for i, (p, n, t) in enumerate(zip(prompts, lengths, tables))]
-        rows.append(model(build_step(seqs, BS).to(device), caches))
+        rows.append(model(build_step(seqs, BS).to(device), caches, decode=True))
     return torch.cat(rows).float().cpu()
 
 

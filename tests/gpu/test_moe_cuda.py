@@ -1,4 +1,4 @@
-"""CUDA SiTU latent-MoE kernels (plugins/kernels/moe.cu) against the fp32 reference on CPU.
+"""CUDA SiTU latent-MoE kernels (plugins/c_api/moe.cu) against the fp32 reference on CPU.
 
 Skipped without CUDA. Needs the kernel library (build_scripts/build_kernels.sh or
 K3_KERNELS_LIB); the TensorRT plugin cases also need build/libk3_trt_plugins.so and
@@ -53,7 +53,7 @@ K3_RANK_CASE = (112, 112, 0, 16, 1, 1, 0, 1, 1.0, 1, 2.0, 4.0, 3584, 3072, 7168)
 
 @pytest.fixture(scope="module")
 def cuda_moe():
-    from k3_trtllm.kernels import moe  # registers the CUDA kernels
+    from k3_trtllm.ops.moe import cuda as moe  # registers the CUDA kernels
     return moe
 
 
@@ -66,7 +66,7 @@ def make_inputs(case, T, mxfp4, seed, device="cpu", gain=1.0):
     """bf16 activations, fp32 router, bf16 or MXFP4 experts (generated on `device`). `gain`
     (a power of two) scales both expert weights up and z down, so gate/up stay O(1) while
     the MXFP4 scale bytes grow (scale-range tests); the output grows by `gain`."""
-    from k3_trtllm.ops.moe.mxfp4 import quantize_mxfp4
+    from k3_trtllm.mxfp4 import quantize_mxfp4
     E, El, L, I, D = case[0], case[1], case[12], case[13], case[14]
     g = torch.Generator(device=device).manual_seed(seed)
     rnd = lambda *s, k=1.0: torch.randn(*s, generator=g, device=device) * k  # noqa: E731
@@ -167,7 +167,7 @@ def check_against_reference(cuda_moe, case, T, mxfp4, gain=1.0):
 def test_k3_dims_ep_rank_matches_the_reference(cuda_moe, mxfp4):
     """K3: 896 experts top-16, this rank holds 112 (EP8 rank 2), latent 3584, I 3072."""
     from k3_trtllm.ops.moe import naive
-    from k3_trtllm.ops.moe.mxfp4 import dequantize_mxfp4
+    from k3_trtllm.mxfp4 import dequantize_mxfp4
     case, T = K3_CASE, 16
     attrs = attrs_of(case)
     dev = make_inputs(case, T, mxfp4, seed=3, device="cuda")
@@ -274,15 +274,30 @@ def test_trt_plugin_matches_the_reference(cuda_moe, mxfp4):
 @pytest.mark.parametrize("mxfp4", [False, True], ids=["bf16", "mxfp4"])
 def test_k3_dims_prefill_matches_the_reference(cuda_moe, mxfp4):
     """K3 sizes in the prefill GEMMs: 1024 tokens top-16 over one rank's 112 experts (~146 rows
-    each: a full and a partial 128-row tile), latent 3584, I 3072. Reference: naive.route on
-    CPU, then naive.routed_experts in fp32 on the GPU (cuBLAS with TF32 off; fp32 products of
-    the same bf16 operands, so the module's 2e-3 bound holds). On the CPU the 1 TFLOP of
-    reference GEMMs over 7.4 GB of weights would take minutes."""
+    each: a full and a partial 128-row tile), latent 3584, I 3072."""
+    check_k3_rank(cuda_moe, 1024, mxfp4, seed=5, what="prefill")
+
+
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["bf16", "mxfp4"])
+@pytest.mark.parametrize("T", [1, 8, 64])
+def test_k3_dims_decode_matches_the_reference(cuda_moe, T, mxfp4):
+    """K3 sizes in the decode GEMVs (bench/moe_bench.py's decode cases): 1 and 8 tokens take the
+    8-row tiles (one n8 MMA tile), 64 tokens the 16-row tiles with every one of the 112 experts
+    touched; MXFP4 through the table lookups and the two register stages (whole stages cover
+    L 3584 and I 3072), scale bytes 119-122."""
+    check_k3_rank(cuda_moe, T, mxfp4, seed=7 + T, what="decode")
+
+
+def check_k3_rank(cuda_moe, T, mxfp4, seed, what):
+    """One rank's 112 experts at K3 dims (K3_RANK_CASE). Reference: naive.route on CPU, then
+    naive.routed_experts in fp32 on the GPU (cuBLAS with TF32 off; fp32 products of the same
+    bf16 operands, so the module's 2e-3 bound holds). On the CPU the reference GEMMs over
+    7.4 GB of weights would take minutes."""
     from k3_trtllm.ops.moe import naive
-    from k3_trtllm.ops.moe.mxfp4 import dequantize_mxfp4
-    case, T = K3_RANK_CASE, 1024
+    from k3_trtllm.mxfp4 import dequantize_mxfp4
+    case = K3_RANK_CASE
     attrs = attrs_of(case)
-    dev = make_inputs(case, T, mxfp4, seed=5, device="cuda")
+    dev = make_inputs(case, T, mxfp4, seed=seed, device="cuda")
     ref_ids, ref_w = check_selection(cuda_moe, dev, attrs)
     op = torch.ops.k3.situ_moe_mxfp4 if mxfp4 else torch.ops.k3.situ_moe
     out = op(*dev, *attrs)
@@ -294,5 +309,5 @@ def test_k3_dims_prefill_matches_the_reference(cuda_moe, mxfp4):
     finally:
         torch.backends.cuda.matmul.allow_tf32 = allow_tf32
     err = rel_err(out, ref)
-    print(f"K3 prefill {'mxfp4' if mxfp4 else 'bf16'}: rel err {err:.2e}")
+    print(f"K3 {what} T={T} {'mxfp4' if mxfp4 else 'bf16'}: rel err {err:.2e}")
     assert err < TOL

@@ -2,9 +2,9 @@
 
 Importing this package registers ``torch.ops.k3.situ_moe`` and ``torch.ops.k3.situ_moe_mxfp4``.
 """
-from . import op
-from .mxfp4 import check_mxfp4_pair, dequantize_mxfp4, quantize_mxfp4
+from . import reference
+from ...mxfp4 import check_mxfp4_pair, dequantize_mxfp4, quantize_mxfp4
 from .naive import grouping_applies, route, routed_experts
 
-__all__ = ["op", "check_mxfp4_pair", "dequantize_mxfp4", "quantize_mxfp4", "grouping_applies", "route",
+__all__ = ["reference", "check_mxfp4_pair", "dequantize_mxfp4", "quantize_mxfp4", "grouping_applies", "route",
            "routed_experts"]

@@ -9,8 +9,8 @@ import torch
 
 from ..common import compute_dtype, glu
 
-SCORING_SIGMOID = 0
-SCORING_SOFTMAX = 1
+# The contract's ``scoring`` attr (ops/contract.py): the config's router function -> its code.
+SCORING = {"sigmoid": 0, "softmax": 1}
 
 
 def grouping_applies(num_experts: int, num_expert_group: int) -> bool:
@@ -41,7 +41,7 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.T
     """
     cd = compute_dtype(x.dtype)
     logits = x.to(cd) @ router_weight.to(cd).T
-    scores = torch.sigmoid(logits) if scoring == SCORING_SIGMOID else torch.softmax(logits, dim=-1)
+    scores = torch.sigmoid(logits) if scoring == SCORING["sigmoid"] else torch.softmax(logits, dim=-1)
     s_sel = scores + correction_bias.to(cd)
     if grouping_applies(scores.shape[-1], num_expert_group):
         s_sel = _keep_best_groups(s_sel, num_expert_group, topk_group)

@@ -1,9 +1,11 @@
-// C ABI of the MLA kernels (plugins/kernels/mla.cu): the one declaration that the torch
+// C ABI of the MLA kernels (plugins/c_api/mla.cu): the one declaration that the torch
 // bindings (ctypes), the TensorRT plugins and the kernels themselves share.
 #pragma once
 
 #include <cuda_runtime.h>
 #include <stddef.h>
+
+#include "k3/params.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -36,31 +38,18 @@ int k3_mla_prefill_uses_expanded(int num_tokens, int num_seqs, int num_heads, in
                                  int qk_rope_head_dim, int kv_lora_rank, int v_head_dim, int max_blocks,
                                  int block_size, size_t workspace_bytes);
 
-// Contracts K3MlaDecode / K3MlaPrefill. Argument order: inputs, outputs, sizes,
-// attributes, workspace, stream. Both insert the new latents; decode runs the absorbed
-// form, prefill the expanded or the absorbed one (k3_mla_prefill_uses_expanded).
-int k3_mla_decode(const void* q, const void* latent, const void* w_uk, const void* w_uv, const int* cu_seqlens,
-                  const int* context_lens, const int* block_tables, const int* slot_mapping, void* latent_cache,
-                  void* out, int num_tokens, int num_seqs, int max_blocks, int block_size, int num_heads,
-                  int qk_nope_head_dim, int qk_rope_head_dim, int kv_lora_rank, int v_head_dim,
-                  float softmax_scale, void* workspace, size_t workspace_bytes, cudaStream_t stream);
-int k3_mla_prefill(const void* q, const void* latent, const void* w_uk, const void* w_uv, const int* cu_seqlens,
-                   const int* context_lens, const int* block_tables, const int* slot_mapping, void* latent_cache,
-                   void* out, int num_tokens, int num_seqs, int max_blocks, int block_size, int num_heads,
-                   int qk_nope_head_dim, int qk_rope_head_dim, int kv_lora_rank, int v_head_dim,
-                   float softmax_scale, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+// Contracts K3MlaDecode / K3MlaPrefill (K3MlaParams, k3/params.h). Both insert the new
+// latents; decode runs the absorbed form, prefill the expanded or the absorbed one
+// (k3_mla_prefill_uses_expanded).
+int k3_mla_decode(const K3MlaParams* p, cudaStream_t stream);
+int k3_mla_prefill(const K3MlaParams* p, cudaStream_t stream);
 
 // The expanded prefill whatever the dispatch rule says (tests, benchmarks), with passes of
-// key_chunk keys (0: the default cap); 0 workspace bytes if unsupported.
+// key_chunk (p->key_chunk) keys (0: the default cap); 0 workspace bytes if unsupported.
 size_t k3_mla_prefill_expanded_workspace_size(int num_tokens, int num_seqs, int num_heads, int qk_nope_head_dim,
                                               int qk_rope_head_dim, int kv_lora_rank, int v_head_dim,
                                               int max_blocks, int block_size, int key_chunk);
-int k3_mla_prefill_expanded(const void* q, const void* latent, const void* w_uk, const void* w_uv,
-                            const int* cu_seqlens, const int* context_lens, const int* block_tables,
-                            const int* slot_mapping, void* latent_cache, void* out, int num_tokens, int num_seqs,
-                            int max_blocks, int block_size, int num_heads, int qk_nope_head_dim,
-                            int qk_rope_head_dim, int kv_lora_rank, int v_head_dim, float softmax_scale,
-                            int key_chunk, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+int k3_mla_prefill_expanded(const K3MlaParams* p, cudaStream_t stream);
 
 // The attention part alone (FlashMLA's scope), for benchmarks and callers that do the W_UK /
 // W_UV products themselves: a_lat [T,H,R] from q_lat [T,H,R] and q_pe = q[:, :, nope:].

@@ -1,4 +1,4 @@
-// C ABI of the SiTU latent-MoE kernels (plugins/kernels/moe.cu): the one declaration that the
+// C ABI of the SiTU latent-MoE kernels (plugins/c_api/moe.cu): the one declaration that the
 // torch bindings (ctypes), the TensorRT plugins and the kernels themselves share.
 // Activations bf16, router weight / correction bias fp32, ids int32. Launchers return a
 // cudaError_t (cudaErrorInvalidValue for unsupported sizes or a short workspace).
@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 #include <stddef.h>
 #include <stdint.h>
+
+#include "k3/params.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -41,23 +43,12 @@ int k3_moe_route(const void* x, const float* router_weight, const float* correct
 
 // Contract K3SituMoe: x [T, D], z [T, L], router_weight [E, D], correction_bias [E],
 // w13 [El, 2I, L] (gate rows then up rows), w2 [El, L, I] -> out [T, L].
-int k3_situ_moe(const void* x, const void* z, const float* router_weight, const float* correction_bias,
-                const void* w13, const void* w2, void* out, int num_tokens, int hidden, int latent, int inter,
-                int num_local_experts, int num_experts, int top_k, int num_expert_group, int topk_group,
-                int expert_offset, int scoring, int renormalize, float routed_scaling_factor, int activation,
-                float situ_beta, float situ_linear_beta, void* workspace, size_t workspace_bytes,
-                cudaStream_t stream);
+int k3_situ_moe(const K3SituMoeParams* p, cudaStream_t stream);
 
 // Contract K3SituMoeMxfp4: as k3_situ_moe with MXFP4 experts (E2M1 pairs, low nibble first,
 // one E8M0 scale per 32 inputs): w13_packed [El, 2I, L/2], w13_scale [El, 2I, L/32],
 // w2_packed [El, L, I/2], w2_scale [El, L, I/32]; dequantised to bf16 in the GEMMs (W4A16).
-int k3_situ_moe_mxfp4(const void* x, const void* z, const float* router_weight, const float* correction_bias,
-                      const uint8_t* w13_packed, const uint8_t* w13_scale, const uint8_t* w2_packed,
-                      const uint8_t* w2_scale, void* out, int num_tokens, int hidden, int latent, int inter,
-                      int num_local_experts, int num_experts, int top_k, int num_expert_group, int topk_group,
-                      int expert_offset, int scoring, int renormalize, float routed_scaling_factor,
-                      int activation, float situ_beta, float situ_linear_beta, void* workspace,
-                      size_t workspace_bytes, cudaStream_t stream);
+int k3_situ_moe_mxfp4(const K3SituMoeMxfp4Params* p, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

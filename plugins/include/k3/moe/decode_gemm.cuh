@@ -2,15 +2,21 @@
 // read once and the kernels are streams over the touched experts' weights (W4A16 / W16A16).
 // Roles are swapped on mma.sync m16n8k16: a warp's 16 weight rows are the MMA's M side and
 // the tile's tokens its N side (kTiles n8 tiles: 8 rows per tile for T <= 8, where no expert
-// can get more rows, else 16). A lane then loads whole 16-byte
-// (bf16) or 8-byte (MXFP4) runs of its weight rows from global memory straight into A
-// fragments (shared memory only for the MXFP4 table), kDecodeUnroll slabs of loads in flight
-// per lane. (Two register stages, the next stage loaded during the current MMAs, measured
-// slower: fewer CTAs fit and the activations are then loaded per slab, exposing their latency.)
-// The k order inside a slab is permuted the same way for weights and activations (a dot
-// product does not depend on it): lane (r = lane/4, q = lane%4) holds elements
+// can get more rows, else 16). A lane then loads whole 16-byte (bf16) or 8-byte (MXFP4) runs
+// of its weight rows from global memory straight into A fragments (shared memory only for the
+// MXFP4 table). The k order inside a slab is permuted the same way for weights and activations
+// (a dot product does not depend on it): lane (r = lane/4, q = lane%4) holds elements
 // [slab·W + q·E, +E) of weight rows r and r+8 and of tokens r (and 8+r), and MMA j of the slab
 // takes the lane's elements 4j..4j+3 (A/B register pairs 2j, 2j+1).
+//
+// Bytes in flight (bench/NOTES_moe.md, session 15): bf16 loads 4 slabs (64 bytes of each row,
+// 64 registers) per lane before their MMAs, 8 KiB per warp. MXFP4's slab is 8 bytes per row, so
+// it streams through two register stages of 4 slabs (2 matrices; 8 for one): one stage's loads
+// are in flight while the other is dequantised, 4-8 KiB per warp at the same 16 warps per SM.
+// Against one stage that measured 7-24% faster in gate_up (down: 10% at T = 1, equal at 8 and
+// 64), while cutting the instructions per weight by a third changed T <= 8 little. More CTAs
+// per SM measured slower (likely: their tables shrink the L1 that holds the activations and
+// scale bytes).
 #pragma once
 
 #include "grouped_gemm.cuh"
@@ -24,9 +30,11 @@ constexpr int kDecodeWarps = 4, kDecodeThreads = 32 * kDecodeWarps;
 constexpr int kDecodeFeatures = 16 * kDecodeWarps;  // output features (per matrix) per CTA
 // k3_moe_supported checks multiples of BN for latent and inter: whole CTAs and whole MXFP4 slabs.
 static_assert(kDecodeFeatures == BN && BN % 64 == 0, "decode grids and slabs rely on multiples of BN");
-constexpr int kDecodeUnroll = 4;                    // slabs whose loads are issued together
-// CTAs per SM the register allocation must allow: 4 (<= 128 registers, 16 warps of loads in
-// flight) with one n tile; 3 with two, whose activation registers would spill at 128.
+// Slabs per block (bf16) or register stage (MXFP4, two matrices; twice as many for one), and
+// CTAs per SM the register allocation must allow: 4 (<= 128 registers, 16 warps) with one n
+// tile, 3 with two, whose activation registers would spill at 128.
+template <int kMats, bool kMxfp4>
+constexpr int decode_unroll() { return kMxfp4 ? 8 / kMats : 4; }
 constexpr int decode_min_blocks(int n_tiles) { return n_tiles == 1 ? 4 : 3; }
 
 // Elements per lane and row in one slab: bf16 8 (16 bytes), MXFP4 16 (8 bytes, one scale).
@@ -39,23 +47,33 @@ struct DecodeSlab {
   static constexpr int kRowBytes = kMxfp4 ? kWidth / 2 : 2 * kWidth;  // weight bytes per row and slab
 };
 
-// Weights are read once: keep them out of L1.
+// Weights are read once: keep them out of L1. bf16 (16 bytes) volatile, so a block's loads stay
+// ahead of its MMAs in source order; MXFP4 (8 bytes) not, so the compiler may move them across
+// the other stage's work (the weights never change; their addresses come after pdl_wait).
 __device__ __forceinline__ void ld_weights(uint32_t (&v)[4], const uint8_t* p) {
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
                : "l"(p));
 }
 __device__ __forceinline__ void ld_weights(uint32_t (&v)[2], const uint8_t* p) {
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];\n" : "=r"(v[0]), "=r"(v[1]) : "l"(p));
+  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];\n" : "=r"(v[0]), "=r"(v[1]) : "l"(p));
 }
 
-// A lane's operands at slab 0 (each advanced by the slab index inside the loop).
+// ptx.cuh's mma_bf16 without `volatile`, for MXFP4: registers only, so the compiler may
+// interleave the MMAs with the next slab's dequantisation instead of keeping source order.
+__device__ __forceinline__ void decode_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// A lane's operands at slab 0 (the loops index or advance them).
 template <int kMats, int kTiles>
 struct DecodeOperands {
   const uint8_t* w[kMats][2];      // weight rows r and r+8 of each matrix, at the lane's first element
   const uint8_t* scale[kMats][2];  // MXFP4: the scale byte of that first element
-  const __nv_bfloat16* x[kTiles];  // tokens r (and 8+r) at the lane's first element; nullptr = no token
-  const uint32_t* lane_table;      // MXFP4: the CTA's dequantisation table + lane
+  const __nv_bfloat16* x[kTiles];  // tokens r (and 8+r) at the lane's first element (attach_table_and_rows)
+  Mxfp4LaneTable table;            // MXFP4: the CTA's dequantisation table
 };
 
 // The MMAs of one slab: four words (two MMAs) at a time, MXFP4 dequantising one packed word
@@ -66,14 +84,14 @@ __device__ __forceinline__ void decode_slab(float (&acc)[kMats][kTiles][4],
                                             const uint32_t (&raw)[kMats][2][DecodeSlab<kMxfp4>::kRawWords],
                                             const uint32_t (&scale)[kMats][2],
                                             const uint32_t (&x)[kTiles][DecodeSlab<kMxfp4>::kWords],
-                                            const uint32_t* lane_table) {
+                                            const Mxfp4LaneTable& table) {
   using S = DecodeSlab<kMxfp4>;
   __nv_bfloat162 sc[kMats][2];
   if constexpr (kMxfp4) {
 #pragma unroll
     for (int mat = 0; mat < kMats; ++mat)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) sc[mat][h] = mxfp4_scale_bf16x2(scale[mat][h]);
+      for (int h = 0; h < 2; ++h) sc[mat][h] = mxfp4_scale_lookup(scale[mat][h], table);
   }
 #pragma unroll
   for (int g = 0; g < S::kWords / 4; ++g) {
@@ -83,7 +101,7 @@ __device__ __forceinline__ void decode_slab(float (&acc)[kMats][kTiles][4],
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if constexpr (kMxfp4) {
-          mxfp4_dequant8_table(raw[mat][h][g], lane_table, sc[mat][h], w[mat][h]);
+          mxfp4_dequant8_table(raw[mat][h][g], table, sc[mat][h], w[mat][h]);
         } else {
 #pragma unroll
           for (int i = 0; i < 4; ++i) w[mat][h][i] = raw[mat][h][i];
@@ -96,20 +114,27 @@ __device__ __forceinline__ void decode_slab(float (&acc)[kMats][kTiles][4],
         const uint32_t a[4] = {w[mat][0][2 * jj], w[mat][1][2 * jj], w[mat][0][2 * jj + 1], w[mat][1][2 * jj + 1]};
         const int j = 2 * g + jj;
 #pragma unroll
-        for (int t = 0; t < kTiles; ++t) mma_bf16(acc[mat][t], a, x[t][2 * j], x[t][2 * j + 1]);
+        for (int t = 0; t < kTiles; ++t) {
+          if constexpr (kMxfp4) {
+            decode_mma(acc[mat][t], a, x[t][2 * j], x[t][2 * j + 1]);
+          } else {
+            mma_bf16(acc[mat][t], a, x[t][2 * j], x[t][2 * j + 1]);
+          }
+        }
       }
   }
 }
 
-// acc[mat][n tile][c] += W_mat[16 rows] · X[16 tokens]ᵀ over nslab slabs.
-template <int kMats, bool kMxfp4, int kTiles>
-__device__ __forceinline__ void decode_mainloop(float (&acc)[kMats][kTiles][4],
-                                                const DecodeOperands<kMats, kTiles>& op, int nslab) {
-  using S = DecodeSlab<kMxfp4>;
-  constexpr int U = kDecodeUnroll;
+// bf16: blocks of U slabs, each all its loads, then its MMAs (activations of lanes past the
+// tile's end are zeros: x[t] == nullptr).
+template <int kMats, int kTiles>
+__device__ __forceinline__ void decode_mainloop_bf16(float (&acc)[kMats][kTiles][4],
+                                                     const DecodeOperands<kMats, kTiles>& op, int nslab) {
+  using S = DecodeSlab<false>;
+  constexpr int U = decode_unroll<kMats, false>();
   for (int s0 = 0; s0 < nslab; s0 += U) {
     uint32_t raw[U][kMats][2][S::kRawWords];
-    uint32_t scale[U][kMats][2];
+    uint32_t scale[U][kMats][2];  // unused (no scales in bf16)
     uint32_t x[U][kTiles][S::kWords];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -118,10 +143,7 @@ __device__ __forceinline__ void decode_mainloop(float (&acc)[kMats][kTiles][4],
 #pragma unroll
       for (int mat = 0; mat < kMats; ++mat)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          ld_weights(raw[u][mat][h], op.w[mat][h] + s * S::kRowBytes);
-          if constexpr (kMxfp4) scale[u][mat][h] = __ldg(op.scale[mat][h] + s * (S::kWidth / kMxGroup));
-        }
+        for (int h = 0; h < 2; ++h) ld_weights(raw[u][mat][h], op.w[mat][h] + s * S::kRowBytes);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -140,8 +162,147 @@ __device__ __forceinline__ void decode_mainloop(float (&acc)[kMats][kTiles][4],
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (s0 + u >= nslab) continue;
-      decode_slab<kMats, kTiles, kMxfp4>(acc, raw[u], scale[u], x[u], op.lane_table);
+      decode_slab<kMats, kTiles, false>(acc, raw[u], scale[u], x[u], op.table);
     }
+  }
+}
+
+// MXFP4: the weights of U slabs (one register stage), loaded from op's pointers, which then
+// move past them (pointer increments, so the loads address with immediate offsets).
+template <int U, int kMats>
+struct DecodeStage {
+  uint32_t raw[U][kMats][2][DecodeSlab<true>::kRawWords];
+};
+
+template <int U, int kMats, int kTiles>
+__device__ __forceinline__ void decode_stage_load(DecodeStage<U, kMats>& st, DecodeOperands<kMats, kTiles>& op) {
+  using S = DecodeSlab<true>;
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int mat = 0; mat < kMats; ++mat)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) ld_weights(st.raw[u][mat][h], op.w[mat][h] + u * S::kRowBytes);
+#pragma unroll
+  for (int mat = 0; mat < kMats; ++mat)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) op.w[mat][h] += U * S::kRowBytes;
+}
+
+// The MMAs of a loaded stage, each slab's scale bytes and activations loaded with it (mostly
+// L1 hits: a 32-byte sector of scale bytes serves 16 slabs of a row, and the CTA's 4 warps read
+// the same activations). Lanes past the tile's end read its first row (attach_table_and_rows).
+template <int U, int kMats, int kTiles>
+__device__ __forceinline__ void decode_stage_compute(float (&acc)[kMats][kTiles][4], const DecodeStage<U, kMats>& st,
+                                                     DecodeOperands<kMats, kTiles>& op) {
+  using S = DecodeSlab<true>;
+  constexpr int kScaleStep = S::kWidth / kMxGroup;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    uint32_t scale[kMats][2];
+    uint32_t x[kTiles][S::kWords];
+#pragma unroll
+    for (int mat = 0; mat < kMats; ++mat)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) scale[mat][h] = __ldg(op.scale[mat][h] + u * kScaleStep);
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+      for (int i = 0; i < S::kWords / 4; ++i) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(op.x[t] + u * S::kWidth) + i);
+        x[t][4 * i] = v.x, x[t][4 * i + 1] = v.y, x[t][4 * i + 2] = v.z, x[t][4 * i + 3] = v.w;
+      }
+    decode_slab<kMats, kTiles, true>(acc, st.raw[u], scale, x, op.table);
+  }
+#pragma unroll
+  for (int mat = 0; mat < kMats; ++mat)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) op.scale[mat][h] += U * kScaleStep;
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) op.x[t] += U * S::kWidth;
+}
+
+// MXFP4 without whole stages (small K in the tests): U slabs at op's pointers, all their loads,
+// then their MMAs; then op moves past them.
+template <int U, int kMats, int kTiles>
+__device__ __forceinline__ void decode_block(float (&acc)[kMats][kTiles][4], DecodeOperands<kMats, kTiles>& op) {
+  using S = DecodeSlab<true>;
+  constexpr int kScaleStep = S::kWidth / kMxGroup;
+  uint32_t raw[U][kMats][2][S::kRawWords];
+  uint32_t scale[U][kMats][2];
+  uint32_t x[U][kTiles][S::kWords];
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int mat = 0; mat < kMats; ++mat)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        ld_weights(raw[u][mat][h], op.w[mat][h] + u * S::kRowBytes);
+        scale[u][mat][h] = __ldg(op.scale[mat][h] + u * kScaleStep);
+      }
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t) {
+      const __nv_bfloat16* p = op.x[t];
+#pragma unroll
+      for (int i = 0; i < S::kWords / 4; ++i) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(p + u * S::kWidth) + i);
+        x[u][t][4 * i] = v.x, x[u][t][4 * i + 1] = v.y, x[u][t][4 * i + 2] = v.z, x[u][t][4 * i + 3] = v.w;
+      }
+    }
+#pragma unroll
+  for (int mat = 0; mat < kMats; ++mat)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      op.w[mat][h] += U * S::kRowBytes;
+      op.scale[mat][h] += U * kScaleStep;
+    }
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) op.x[t] += U * S::kWidth;
+#pragma unroll
+  for (int u = 0; u < U; ++u) decode_slab<kMats, kTiles, true>(acc, raw[u], scale[u], x[u], op.table);
+}
+
+// MXFP4: two register stages a, b when whole stages cover K (all K3 sizes): b's loads are
+// issued before a's MMAs and the next a's before b's. Otherwise whole blocks, then single slabs.
+template <int kMats, int kTiles>
+__device__ __forceinline__ void decode_mainloop_mxfp4(float (&acc)[kMats][kTiles][4], DecodeOperands<kMats, kTiles> op,
+                                                      int nslab) {
+  constexpr int U = decode_unroll<kMats, true>();
+  if (nslab % U != 0) {
+    int s = 0;
+    for (; s + U <= nslab; s += U) decode_block<U, kMats, kTiles>(acc, op);
+    for (; s < nslab; ++s) decode_block<1, kMats, kTiles>(acc, op);
+    return;
+  }
+  const int nstage = nslab / U;
+  DecodeStage<U, kMats> a, b;
+  decode_stage_load(a, op);  // stage 0
+  int i = 1;                 // a holds stage i - 1
+  for (; i + 1 < nstage; i += 2) {
+    decode_stage_load(b, op);  // stage i
+    decode_stage_compute(acc, a, op);
+    decode_stage_load(a, op);  // stage i + 1
+    decode_stage_compute(acc, b, op);
+  }
+  if (i < nstage) {  // an even number of stages: one after a's
+    decode_stage_load(b, op);
+    decode_stage_compute(acc, a, op);
+    decode_stage_compute(acc, b, op);
+  } else {
+    decode_stage_compute(acc, a, op);
+  }
+}
+
+// acc[mat][n tile][c] += W_mat[16 rows] · X[16 tokens]ᵀ over nslab slabs.
+template <int kMats, bool kMxfp4, int kTiles>
+__device__ __forceinline__ void decode_mainloop(float (&acc)[kMats][kTiles][4],
+                                                const DecodeOperands<kMats, kTiles>& op, int nslab) {
+  if constexpr (kMxfp4) {
+    decode_mainloop_mxfp4(acc, op, nslab);
+  } else {
+    decode_mainloop_bf16(acc, op, nslab);
   }
 }
 
@@ -167,21 +328,44 @@ __device__ __forceinline__ DecodeOperands<kMats, kTiles> decode_operands(const E
   return op;
 }
 
-// The rest of a kernel's operands: the MXFP4 table (filled by the whole CTA) and the lane's
-// activation rows, row_of(sorted row) for the tile's rows r (and 8+r), nullptr past its end.
+// What a kernel keeps in shared memory: the MXFP4 dequantisation table, nothing for bf16.
+template <bool kMxfp4>
+struct DecodeShared {};
+template <>
+struct DecodeShared<true> {
+  Mxfp4DecodeTable table;
+};
+
+// Kernel start, before anything the previous kernels wrote is read: lets the next kernel
+// launch, fills the MXFP4 table while the previous kernel may still run (it depends on
+// nothing), then waits for the previous kernels (pdl.cuh).
+template <bool kMxfp4>
+__device__ __forceinline__ void decode_prologue(DecodeShared<kMxfp4>& sm) {
+  pdl_launch_dependents();
+  if constexpr (kMxfp4) {
+    mxfp4_table_fill(sm.table);
+    __syncthreads();
+  }
+  pdl_wait();
+}
+
+// The rest of a kernel's operands: the lane's view of the MXFP4 table and its activation rows,
+// row_of(sorted row) for the tile's rows r (and 8+r). Past the tile's end: bf16 nullptr (zeros);
+// MXFP4 the tile's first row, since MMA output column n depends on activation column n alone and
+// the epilogue drops those columns, so its loads need no predicate or zero fill.
 template <bool kMxfp4, int kMats, int kTiles, typename RowOf>
-__device__ __forceinline__ void attach_table_and_rows(DecodeOperands<kMats, kTiles>& op, uint32_t* table,
+__device__ __forceinline__ void attach_table_and_rows(DecodeOperands<kMats, kTiles>& op, DecodeShared<kMxfp4>& sm,
                                                       const TileInfo& t, RowOf row_of) {
   const int lane = threadIdx.x % 32;
-  if constexpr (kMxfp4) {
-    mxfp4_table_fill(table);
-    __syncthreads();
-    op.lane_table = table + lane;
-  }
+  if constexpr (kMxfp4) op.table = {reinterpret_cast<const char*>(sm.table.pairs) + 4 * lane, sm.table.scales};
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) {
     const int n = 8 * i + lane / 4;
-    op.x[i] = n < t.rows ? row_of(t.row0 + n) + (lane % 4) * DecodeSlab<kMxfp4>::kElems : nullptr;
+    if constexpr (kMxfp4) {
+      op.x[i] = row_of(t.row0 + (n < t.rows ? n : 0)) + (lane % 4) * DecodeSlab<kMxfp4>::kElems;
+    } else {
+      op.x[i] = n < t.rows ? row_of(t.row0 + n) + (lane % 4) * DecodeSlab<kMxfp4>::kElems : nullptr;
+    }
   }
 }
 
@@ -200,14 +384,13 @@ __global__ void __launch_bounds__(kDecodeThreads, decode_min_blocks(kTiles)) gat
                                                                         ExpertWeights w13,
                                                                         __nv_bfloat16* __restrict__ h, Schedule s,
                                                                         int L, int I, GluParams act) {
-  __shared__ uint32_t table[kMxfp4 ? kMxfp4TableWords : 1];
-  pdl_launch_dependents();
-  pdl_wait();  // the schedule and z come from the kernels before
+  __shared__ DecodeShared<kMxfp4> sm;
+  decode_prologue(sm);  // the schedule and z come from the kernels before
   TileInfo t;
   if (!tile_info(s, 8 * kTiles, t)) return;
   const int f0 = blockIdx.y * kDecodeFeatures + threadIdx.x / 32 * 16;
   auto op = decode_operands<2, kMxfp4, kTiles>(w13, 2 * (int64_t)t.expert * I + f0, I, L);
-  attach_table_and_rows<kMxfp4>(op, table, t, [&](int row) { return z + (int64_t)s.sorted_token[row] * L; });
+  attach_table_and_rows<kMxfp4>(op, sm, t, [&](int row) { return z + (int64_t)s.sorted_token[row] * L; });
   float acc[2][kTiles][4] = {};
   decode_mainloop<2, kMxfp4, kTiles>(acc, op, L / DecodeSlab<kMxfp4>::kWidth);
 #pragma unroll
@@ -226,14 +409,13 @@ template <bool kMxfp4, int kTiles>
 __global__ void __launch_bounds__(kDecodeThreads, decode_min_blocks(kTiles)) down_decode_kernel(const __nv_bfloat16* __restrict__ h,
                                                                      ExpertWeights w2, float* __restrict__ part,
                                                                      Schedule s, int L, int I) {
-  __shared__ uint32_t table[kMxfp4 ? kMxfp4TableWords : 1];
-  pdl_launch_dependents();
-  pdl_wait();  // the schedule and h come from the kernels before
+  __shared__ DecodeShared<kMxfp4> sm;
+  decode_prologue(sm);  // the schedule and h come from the kernels before
   TileInfo t;
   if (!tile_info(s, 8 * kTiles, t)) return;
   const int f0 = blockIdx.y * kDecodeFeatures + threadIdx.x / 32 * 16;
   auto op = decode_operands<1, kMxfp4, kTiles>(w2, (int64_t)t.expert * L + f0, 0, I);
-  attach_table_and_rows<kMxfp4>(op, table, t, [&](int row) { return h + (int64_t)row * I; });
+  attach_table_and_rows<kMxfp4>(op, sm, t, [&](int row) { return h + (int64_t)row * I; });
   float acc[1][kTiles][4] = {};
   decode_mainloop<1, kMxfp4, kTiles>(acc, op, I / DecodeSlab<kMxfp4>::kWidth);
 #pragma unroll

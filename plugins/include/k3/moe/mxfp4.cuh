@@ -73,13 +73,18 @@ __device__ __forceinline__ void mxfp4_dequant8(uint32_t packed, const Mxfp4Scale
   }
 }
 
-// Table form for the decode GEMVs, where dequantisation (not the MMAs) bounds the kernel: one
-// shared-memory load yields both bf16 values of a byte, so a pair costs a byte extract, an
-// address and a load instead of five integer operations. Entry (byte, lane) at word
-// byte·32 + lane: every lane reads its own bank, so arbitrary bytes never conflict
-// (256 x 32 words = 32 KiB per CTA). The values are exact E2M1 in bf16, so one multiply by
-// the bf16 scale 2^(b-127) (a bf16 for every byte b, subnormal at 0) finishes them.
-constexpr int kMxfp4TableWords = 256 * 32;
+// Table form for the decode GEMVs (fewer instructions than the bit moves): one shared-memory
+// load yields both bf16 values of a code byte, so a pair costs a byte extract, an address and a
+// load instead of five integer operations. Entry (byte, lane) at word
+// byte·32 + lane: every lane reads its own bank, so arbitrary bytes never conflict (32 KiB).
+// The values are exact E2M1 in bf16, so one multiply by the bf16 scale 2^(b-127) (a bf16 for
+// every byte b, subnormal at 0, NaN at 255) finishes them; the scale bytes go through a second,
+// 256-word table (a warp's 16 scale bytes per lookup are a few distinct values in practice, and
+// lanes reading the same word share one access).
+struct Mxfp4DecodeTable {
+  uint32_t pairs[256 * 32];
+  uint32_t scales[256];
+};
 
 __device__ __forceinline__ uint32_t e2m1_bf16_bits(uint32_t code) {
   const uint32_t mag = code & 7u;  // 0, 0.5, then (1 + m/2)·2^(e-1): exponent field e + 126
@@ -87,26 +92,40 @@ __device__ __forceinline__ uint32_t e2m1_bf16_bits(uint32_t code) {
   return bits | ((code & 8u) << 12);
 }
 
-// All threads of the CTA; the caller syncs before the first lookup.
-__device__ __forceinline__ void mxfp4_table_fill(uint32_t* table) {
-  for (int i = threadIdx.x; i < kMxfp4TableWords; i += blockDim.x) {
-    const uint32_t byte = i / 32;
-    table[i] = e2m1_bf16_bits(byte & 15u) | (e2m1_bf16_bits(byte >> 4) << 16);
-  }
-}
-
-__device__ __forceinline__ __nv_bfloat162 mxfp4_scale_bf16x2(uint32_t b) {
+__device__ __forceinline__ uint32_t mxfp4_scale_bf16x2_bits(uint32_t b) {
   const uint32_t e = b == 255u ? 0x7FC0u : b == 0u ? 0x0040u : b << 7;
-  return bf16x2_from_bits(e | (e << 16));
+  return e | (e << 16);
 }
 
-// As mxfp4_dequant8, through the table; lane_table = table + lane.
-__device__ __forceinline__ void mxfp4_dequant8_table(uint32_t packed, const uint32_t* lane_table,
+// All threads of the CTA; the caller syncs before the first lookup. The 32 copies of a byte's
+// entry are equal, so each thread writes four of them with one 16-byte store.
+__device__ __forceinline__ void mxfp4_table_fill(Mxfp4DecodeTable& t) {
+  for (int i = threadIdx.x; i < 256 * 8; i += blockDim.x) {
+    const uint32_t byte = i / 8;
+    const uint32_t v = e2m1_bf16_bits(byte & 15u) | (e2m1_bf16_bits(byte >> 4) << 16);
+    reinterpret_cast<uint4*>(t.pairs)[i] = make_uint4(v, v, v, v);
+  }
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) t.scales[i] = mxfp4_scale_bf16x2_bits(i);
+}
+
+// A lane's view of the table: its column of pairs (the table's byte address + 4·lane) and the
+// scales, so a lookup is one byte extract, one multiply-add and one 4-byte shared load.
+struct Mxfp4LaneTable {
+  const char* pairs;
+  const uint32_t* scales;
+};
+
+__device__ __forceinline__ __nv_bfloat162 mxfp4_scale_lookup(uint32_t b, const Mxfp4LaneTable& t) {
+  return bf16x2_from_bits(t.scales[b]);
+}
+
+// As mxfp4_dequant8, through the table.
+__device__ __forceinline__ void mxfp4_dequant8_table(uint32_t packed, const Mxfp4LaneTable& t,
                                                      __nv_bfloat162 scale, uint32_t (&out)[4]) {
 #pragma unroll
   for (int m = 0; m < 4; ++m) {
     const uint32_t byte = __byte_perm(packed, 0u, 0x4440u | m);
-    __nv_bfloat162 v = __hmul2(bf16x2_from_bits(lane_table[byte * 32]), scale);
+    __nv_bfloat162 v = __hmul2(bf16x2_from_bits(*reinterpret_cast<const uint32_t*>(t.pairs + 128u * byte)), scale);
     out[m] = *reinterpret_cast<const uint32_t*>(&v);
   }
 }

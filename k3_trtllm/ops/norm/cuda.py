@@ -1,0 +1,220 @@
+"""ctypes binding of the residual-stream kernels (``plugins/c_api/norm.cu``, ``k3/norm_api.h``):
+RMSNorm, the KDA output's gated RMSNorm, the AttnRes mix fused with its residual add and norm,
+and the MLP's gated activation. The Structures below mirror the C params structs field by field.
+
+Each function takes what its reference takes (``reference.py``, ``..common``) and returns what it
+returns, for bf16 activations on CUDA; a call the kernels do not cover (see ``_why_not``) runs the
+reference, with one warning per distinct reason. Nothing here reads device values, so every call
+can be captured into a CUDA graph.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .. import common
+from ..cuda_library import check, fall_back, load_library
+from . import reference
+
+MAX_SOURCES = 16  # K3_ATTN_RES_MAX_SOURCES
+MAX_MIX_DIM = 10240  # K3_ATTN_RES_MAX_DIM
+_WEIGHT_NONE, _WEIGHT_BF16, _WEIGHT_FP32 = 0, 1, 2
+_p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+
+
+class RmsNormParams(ctypes.Structure):
+    _fields_ = [("x", _p), ("x_token_stride", _i64), ("x_head_stride", _i64),
+                ("gate", _p), ("gate_token_stride", _i64), ("gate_head_stride", _i64),
+                ("weight", _p), ("weight_type", _i), ("out", _p), ("tokens", _i), ("heads", _i), ("dim", _i),
+                ("eps", _f)]
+
+
+class AttnResMixParams(ctypes.Structure):
+    _fields_ = [("sources", _p * MAX_SOURCES), ("num_sources", _i), ("residual", _p), ("partial_out", _p),
+                ("rows", _p), ("query", _p), ("eps", _f), ("norm_weight", _p), ("norm_weight_type", _i),
+                ("norm_eps", _f), ("round_mix", _i), ("out", _p), ("out_tokens", _i), ("dim", _i)]
+
+
+class GluParams(ctypes.Structure):
+    _fields_ = [("gate", _p), ("up", _p), ("gate_row_stride", _i64), ("up_row_stride", _i64), ("out", _p),
+                ("tokens", _i), ("inter", _i),
+                ("activation", _i), ("beta", _f), ("linear_beta", _f)]
+
+
+_lib: ctypes.CDLL | None = None
+
+
+def _library() -> ctypes.CDLL:
+    global _lib
+    if _lib is None:
+        lib = load_library()
+        for name, params in (("k3_rms_norm", RmsNormParams), ("k3_attn_res_mix_norm", AttnResMixParams),
+                             ("k3_glu", GluParams)):
+            fn = getattr(lib, name)
+            fn.argtypes = [ctypes.POINTER(params), _p]
+            fn.restype = _i
+        _lib = lib
+    return _lib
+
+
+def _stream(t: torch.Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
+def _weight(w: torch.Tensor | None) -> tuple[int | None, int] | None:
+    """(pointer, K3_NORM_WEIGHT_*) of a norm weight read in its stored dtype, None if the kernels
+    cannot read it (fp64, not contiguous, another device)."""
+    if w is None:
+        return None, _WEIGHT_NONE
+    if w.dim() != 1 or not w.is_contiguous() or not w.is_cuda:
+        return None
+    kind = {torch.bfloat16: _WEIGHT_BF16, torch.float32: _WEIGHT_FP32}.get(w.dtype)
+    return None if kind is None else (w.data_ptr(), kind)
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _why_not(tensors: dict[str, torch.Tensor | None], weights: dict[str, torch.Tensor | None]) -> str | None:
+    """Why the kernels cannot take these operands (bf16 CUDA activations with a contiguous last
+    dim; bf16/fp32 1-D weights), or None. Alignment is the launcher's: it picks its vector width."""
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if t.dtype != torch.bfloat16:
+            return f"{name} of dtype {_dtype_name(t)} (they take bfloat16)"
+        if t.dim() and t.stride(-1) != 1:
+            return f"{name} with a strided last dim"
+    for name, w in weights.items():
+        if _weight(w) is None:
+            return f"{name} of dtype {_dtype_name(w)}, shape {list(w.shape)} (they take a contiguous 1-D bf16/fp32 " \
+                   "weight)"
+    return None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``common.rms_norm`` of bf16 CUDA rows [T, d] (rows may be strided: split views)."""
+    return _norm(x, weight, None, eps)
+
+
+def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
+    """``common.gated_rms_norm`` of [T, H, D] views (x and gate may be strided over T and H)."""
+    return _norm(x, weight, gate, eps)
+
+
+def _norm(x, weight, gate, eps):
+    op = "rms_norm" if gate is None else "gated_rms_norm"
+    reason = _why_not({"x": x, "gate": gate}, {"weight": weight})
+    if reason is None and gate is None and x.dim() != 2:
+        reason = f"x of shape {list(x.shape)} (they take [T, d] rows)"
+    if reason is None and gate is not None and (x.dim() != 3 or gate.shape != x.shape):
+        reason = f"x {list(x.shape)} with gate {list(gate.shape)} (they take two [T, H, D] views)"
+    if reason is None and x.shape[-1] % 2:
+        reason = f"an odd last dim ({x.shape[-1]})"
+    if reason is not None:
+        ref = common.rms_norm if gate is None else common.gated_rms_norm
+        return fall_back(op, reason, ref, *((x, weight, eps) if gate is None else (x, weight, gate, eps)))
+    tokens, heads = x.shape[0], 1 if gate is None else x.shape[1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    w_ptr, w_type = _weight(weight)
+    p = RmsNormParams(x=x.data_ptr(), x_token_stride=x.stride(0), x_head_stride=0 if gate is None else x.stride(1),
+                      gate=gate.data_ptr() if gate is not None else None,
+                      gate_token_stride=gate.stride(0) if gate is not None else 0,
+                      gate_head_stride=gate.stride(1) if gate is not None else 0,
+                      weight=w_ptr, weight_type=w_type, out=out.data_ptr(), tokens=tokens, heads=heads,
+                      dim=x.shape[-1], eps=float(eps))
+    check(_library().k3_rms_norm(ctypes.byref(p), _stream(x)), f"k3_rms_norm (x {list(x.shape)} {x.stride()})")
+    return out
+
+
+def _mix_reason(sources, residual, query, norm_weight) -> str | None:
+    if not 1 <= len(sources) <= MAX_SOURCES:
+        return f"{len(sources)} sources (they take 1..{MAX_SOURCES})"
+    reason = _why_not({f"sources[{i}]": s for i, s in enumerate(sources)} | {"residual": residual},
+                      {"norm_weight": norm_weight})
+    if reason is not None:
+        return reason
+    shape = sources[-1].shape
+    if len(shape) != 2 or shape[1] > MAX_MIX_DIM or shape[1] % 2:
+        return f"sources of shape {list(shape)} (they take [T, d], even d <= {MAX_MIX_DIM})"
+    if any(s.shape != shape for s in sources) or (residual is not None and residual.shape != shape):
+        return "sources or residual of differing shapes"
+    if query.dtype != torch.float32 or query.shape != (shape[1],) or not query.is_contiguous():
+        return f"a query of dtype {_dtype_name(query)}, shape {list(query.shape)} (they take fp32 [d])"
+    return None
+
+
+def _mix_call(sources, residual, query, eps, norm_weight, norm_eps, rows, partial_out, round_mix):
+    """Launches the fused mix; returns the normed output rows."""
+    sources = [s.contiguous() for s in sources]  # model tensors are already: no copies
+    residual = residual.contiguous() if residual is not None else None
+    out_tokens = rows.shape[0] if rows is not None else sources[0].shape[0]
+    out = torch.empty(out_tokens, sources[0].shape[1], dtype=sources[0].dtype, device=sources[0].device)
+    w_ptr, w_type = _weight(norm_weight)
+    ptrs = (_p * MAX_SOURCES)(*[s.data_ptr() for s in sources])
+    p = AttnResMixParams(sources=ptrs, num_sources=len(sources),
+                         residual=residual.data_ptr() if residual is not None else None,
+                         partial_out=partial_out.data_ptr() if partial_out is not None else None,
+                         rows=rows.data_ptr() if rows is not None else None, query=query.data_ptr(), eps=float(eps),
+                         norm_weight=w_ptr, norm_weight_type=w_type, norm_eps=float(norm_eps),
+                         round_mix=int(round_mix), out=out.data_ptr(), out_tokens=out_tokens,
+                         dim=sources[0].shape[1])
+    check(_library().k3_attn_res_mix_norm(ctypes.byref(p), _stream(out)),
+          f"k3_attn_res_mix_norm ({len(sources)} sources {list(sources[0].shape)}, {out_tokens} rows)")
+    return out
+
+
+def attn_res_mix_norm(sources, residual, query, eps, norm_weight, norm_eps):
+    """``reference.attn_res_mix_norm`` in one kernel: (normed bf16 input, partial sum)."""
+    reason = _mix_reason(sources, residual, query, norm_weight)
+    if reason is not None:
+        return fall_back("attn_res_mix_norm", reason, reference.attn_res_mix_norm, sources, residual, query, eps,
+                         norm_weight, norm_eps)
+    # without a residual the partial sum is the last source itself, and no copy is written
+    partial = torch.empty_like(sources[-1]) if residual is not None else sources[-1]
+    out = _mix_call(sources, residual, query, eps, norm_weight, norm_eps, None,
+                    partial if residual is not None else None, False)
+    return out, partial
+
+
+def attn_res_final_norm(sources, residual, query, eps, rows, norm_weight, norm_eps):
+    """``reference.attn_res_final_norm`` in one kernel, over the ``rows`` tokens only."""
+    reason = _mix_reason(sources, residual, query, norm_weight)
+    if reason is None and (rows.dtype != torch.int32 or rows.dim() != 1 or not rows.is_cuda):
+        reason = f"rows of dtype {_dtype_name(rows)} on {rows.device} (they take an int32 CUDA vector)"
+    if reason is not None:
+        return fall_back("attn_res_final_norm", reason, reference.attn_res_final_norm, sources, residual, query,
+                         eps, rows, norm_weight, norm_eps)
+    return _mix_call(sources, residual, query, eps, norm_weight, norm_eps, rows.contiguous(), None, True)
+
+
+SIGMOID_GATE = 2  # K3_GLU_SIGMOID_GATE
+
+
+def glu(gate: torch.Tensor, up: torch.Tensor, activation: int, beta: float, linear_beta: float) -> torch.Tensor:
+    """``common.glu`` of two [T, inter] views (the halves of the fc product)."""
+    return _glu("glu", common.glu, gate, up, activation, beta, linear_beta)
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``reference.sigmoid_gate`` (the MLA output gate) of two [T, n] views."""
+    return _glu("sigmoid_gate", lambda g, u, *_: reference.sigmoid_gate(u, g), gate, x, SIGMOID_GATE, 0.0, 0.0)
+
+
+def _glu(op, ref, gate, up, activation, beta, linear_beta):
+    reason = _why_not({"gate": gate, "up": up}, {})
+    if reason is None and (gate.dim() != 2 or gate.shape != up.shape):
+        reason = f"gate {list(gate.shape)} and up {list(up.shape)} (they take two [T, n] views of one shape)"
+    if reason is None and (gate.shape[1] % 2 or (activation == 1 and beta == 0.0)):
+        reason = f"an odd width ({gate.shape[1]}) or SiTU beta 0"
+    if reason is not None:
+        return fall_back(op, reason, ref, gate, up, activation, beta, linear_beta)
+    tokens, inter = gate.shape
+    out = torch.empty(tokens, inter, dtype=gate.dtype, device=gate.device)
+    p = GluParams(gate=gate.data_ptr(), up=up.data_ptr(), gate_row_stride=gate.stride(0), up_row_stride=up.stride(0),
+                  out=out.data_ptr(), tokens=tokens, inter=inter, activation=int(activation), beta=float(beta),
+                  linear_beta=float(linear_beta))
+    check(_library().k3_glu(ctypes.byref(p), _stream(out)), f"k3_glu ({op}, {list(gate.shape)})")
+    return out

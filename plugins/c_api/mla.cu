@@ -1,0 +1,628 @@
+// C-ABI launchers of the K3 MLA ops (contract MLA_PREFILL / MLA_DECODE, spec §4.4, §6.1).
+//
+// Absorbed form (exact, spec §4.4.5; every decode, short prefill chunks): insert this
+// step's latent rows at slot_mapping, q_lat = q_nope·W_UK per head, causal MQA over the
+// paged latent cache (split-KV + combine), out = a_lat·W_UV^T per head. It serves any mix
+// of new-token counts per sequence, chunked prefill included.
+//
+// Expanded form (prefill with >= kExpandedMinTokensPerSeq new tokens per sequence on
+// average, spec §4.4.3): insert, then per pass of at most a fixed number of keys expand the
+// cached latents into per-head K_nope / V (a GEMM reading the paged cache) and run causal
+// flash attention (Dqk = DN+DR, k_pe shared by all heads) over them; several passes merge
+// through an fp32 log-sum-exp accumulator. It does 2·(DN+DR+DV) FLOP per query-key-head
+// instead of 2·(R+DR+R) (3.4x fewer at K3 dims) plus 2·R·(DN+DV) per key and head for the
+// expansion, which a chunk of >= 384 new tokens per sequence amortises even over a long
+// context (bench/NOTES_mla.md).
+//
+// Supported: bf16 tensors, (kv_lora_rank, qk_rope_head_dim) in {(512, 64), (64, 16)},
+// qk_nope_head_dim % 32 == 0, v_head_dim % 8 == 0, any block_size >= 1; every tensor
+// contiguous and 16-byte aligned. Other shapes return cudaErrorInvalidValue. The expanded
+// form needs (DN, DR, DV) in {(128, 64, 128), (32, 16, 32)}; other prefills run absorbed.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "k3/common/workspace_carver.h"
+#include "k3/mla_api.h"
+#include "k3/mla/flash_attention.cuh"
+#include "k3/mla/flash_attention_wgmma.cuh"
+#include "k3/mla/head_gemm.cuh"
+#include "k3/mla/insert.cuh"
+#include "k3/mla/latent_attention.cuh"
+#include "k3/mla/latent_attention_wgmma.cuh"
+#include "k3/mla/prefill_expanded.cuh"
+
+namespace {
+
+using k3::mla::bf16;
+
+constexpr int kTileTokens = 64;
+
+// The mma.sync kernel's KV ring: 32-token tiles, 2 stages, so that a CTA needs ~103 KB of
+// shared memory and 2 CTAs share an SM (one's barriers and softmax overlap the other's
+// loads and MMAs); ahead of 64-token tiles x 2 stages and 32 x 5 stages at one CTA per SM
+// at B=256, L=8192, H=16 (bench/NOTES_mla.md, session-11 runs).
+constexpr int kSmallTile = 32, kSmallStages = 2, kSmallCtasPerSm = 2;
+
+struct SplitPlan {
+  int heads_per_cta;
+  int head_groups;
+  int num_splits;
+  int split_tokens;
+};
+
+// Up to 16 heads: the mma.sync kernel, 16 heads per CTA (the wgmma kernel would pad them
+// to 64 rows and is compute-bound there). More heads: warpgroup
+// MMAs, 64 heads per CTA, for the K3 latent (R = 512); the mma.sync kernel with 32 heads
+// per CTA for other latent widths.
+int heads_per_cta(int rank, int num_heads) {
+  if (num_heads <= 16) return 16;
+  return rank == 512 ? 64 : 32;
+}
+
+int sm_count() {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 132;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 132;
+  return sms;
+}
+
+// Batch-invariant mode (k3_mla_set_batch_invariant): key splits of a fixed kInvariantSplitTokens
+// keys, so a sequence's splits, and the merge of their partials, do not depend on the batch (the
+// default sizes them by the batch's token count and block-table width). Splits past a sequence's
+// end are empty (weight 0), which leaves the merged value's bits as they are; a single split
+// writes bf16(o) directly, which is what the merge of one non-empty split gives too.
+std::atomic<int> g_batch_invariant{0};
+constexpr int64_t kInvariantSplitTokens = 4 * kTileTokens;
+
+// The key range of a CTA is split so that the grid fills whole waves (wgmma kernel: one CTA
+// per SM, ~226 KB of shared memory; mma.sync kernel: two per SM). The longest possible
+// sequence is the block table's width; the cost model is waves x tokens per split, ties
+// going to fewer splits (each split costs an extra fp32 partial output and a combine pass).
+SplitPlan plan_splits(int num_tokens, int num_heads, int rank, int max_blocks, int block_size) {
+  SplitPlan plan{};
+  plan.heads_per_cta = heads_per_cta(rank, num_heads);
+  plan.head_groups = (num_heads + plan.heads_per_cta - 1) / plan.heads_per_cta;
+  const int64_t max_kv = std::max<int64_t>(1, static_cast<int64_t>(max_blocks) * block_size);
+  if (g_batch_invariant.load(std::memory_order_relaxed) != 0) {
+    int64_t chunk = kInvariantSplitTokens;  // doubled past kMaxCombineSplits splits (> 256 K keys)
+    while ((max_kv + chunk - 1) / chunk > k3::mla::kMaxCombineSplits) chunk *= 2;
+    plan.split_tokens = static_cast<int>(chunk);
+    plan.num_splits = static_cast<int>((max_kv + chunk - 1) / chunk);
+    return plan;
+  }
+  const int64_t base = std::max<int64_t>(1, static_cast<int64_t>(num_tokens) * plan.head_groups);
+  const int64_t slots = sm_count() * (plan.heads_per_cta == 64 ? 1 : kSmallCtasPerSm);
+  const int64_t max_splits =
+      std::min<int64_t>(k3::mla::kMaxCombineSplits, (max_kv + 2 * kTileTokens - 1) / (2 * kTileTokens));
+  double best_cost = 0.0;
+  plan.num_splits = 1;
+  plan.split_tokens = static_cast<int>((max_kv + kTileTokens - 1) / kTileTokens * kTileTokens);
+  for (int64_t s = 1; s <= std::max<int64_t>(1, max_splits); ++s) {
+    const int64_t chunk = ((max_kv + s - 1) / s + kTileTokens - 1) / kTileTokens * kTileTokens;
+    const int64_t splits = (max_kv + chunk - 1) / chunk;
+    const int64_t waves = (base * splits + slots - 1) / slots;
+    const double cost = static_cast<double>(waves) * static_cast<double>(chunk + kTileTokens);
+    if (s == 1 || cost < 0.97 * best_cost) {
+      best_cost = cost;
+      plan.num_splits = static_cast<int>(splits);
+      plan.split_tokens = static_cast<int>(chunk);
+    }
+    if (base * splits >= 8 * slots) break;  // enough parallelism; more splits only add merges
+  }
+  return plan;
+}
+
+struct Workspace {
+  bf16* q_lat;
+  bf16* a_lat;
+  float* o_part;
+  float* lse_part;
+  size_t bytes;
+};
+
+Workspace carve(void* base, int num_tokens, int num_heads, int rank, const SplitPlan& plan) {
+  const size_t rows = static_cast<size_t>(num_tokens) * num_heads;
+  const size_t split_rows = plan.num_splits > 1 ? plan.num_splits * rows : 0;  // partials only when split
+  k3::WorkspaceCarver c(base);
+  Workspace ws{};
+  ws.q_lat = c.take<bf16>(rows * rank);
+  ws.a_lat = c.take<bf16>(rows * rank);
+  ws.o_part = c.take<float>(split_rows * rank);
+  ws.lse_part = c.take<float>(split_rows);
+  ws.bytes = c.used();
+  return ws;
+}
+
+bool supported(int rank, int rope, int nope, int v_dim) {
+  const bool dims = (rank == 512 && rope == 64) || (rank == 64 && rope == 16);
+  return dims && nope > 0 && nope % 32 == 0 && v_dim > 0 && v_dim % 8 == 0;
+}
+
+template <int R, int DR, int MT>
+cudaError_t launch_attention_mt(const k3::mla::LatentAttentionParams& p, cudaStream_t stream) {
+  using C = k3::mla::LatentAttentionConfig<R, DR, MT, kSmallTile, kSmallStages>;
+  auto kernel = k3::mla::latent_attention_kernel<R, DR, MT, kSmallTile, kSmallStages, kSmallCtasPerSm>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(C::SMEM_BYTES));
+  if (err != cudaSuccess) return err;
+  const int64_t ctas = static_cast<int64_t>(p.num_tokens) * p.num_splits * p.head_groups;
+  kernel<<<static_cast<unsigned>(ctas), C::THREADS, C::SMEM_BYTES, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_attention_wgmma(const k3::mla::LatentAttentionParams& p, cudaStream_t stream) {
+  using C = k3::mla::WgmmaAttentionConfig;
+  cudaError_t err = cudaFuncSetAttribute(k3::mla::latent_attention_wgmma_kernel,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(C::SMEM_BYTES));
+  if (err != cudaSuccess) return err;
+  const int64_t ctas = static_cast<int64_t>(p.num_tokens) * p.num_splits * p.head_groups;
+  k3::mla::latent_attention_wgmma_kernel<<<static_cast<unsigned>(ctas), C::THREADS, C::SMEM_BYTES, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <int R, int DR>
+cudaError_t launch_attention(const k3::mla::LatentAttentionParams& p, int heads_per_cta,
+                             cudaStream_t stream) {
+  cudaError_t err;
+  if constexpr (R == 512)  // heads_per_cta() gives 16 or 64 for the K3 latent
+    err = heads_per_cta == 64 ? launch_attention_wgmma(p, stream) : launch_attention_mt<R, DR, 1>(p, stream);
+  else
+    err = heads_per_cta == 16 ? launch_attention_mt<R, DR, 1>(p, stream) : launch_attention_mt<R, DR, 2>(p, stream);
+  if (err != cudaSuccess || p.num_splits == 1) return err;
+  const int64_t rows = static_cast<int64_t>(p.num_tokens) * p.num_heads;
+  bool wide = false;  // the wgmma kernel's splits (up to kMaxCombineSplits) take the wide combine
+  if constexpr (R == 512) {
+    if (heads_per_cta == 64) {
+      k3::mla::combine_splits_wgmma_kernel<R><<<static_cast<unsigned>(rows), R / 4, 0, stream>>>(
+          p.o_part, p.lse_part, p.a_lat, rows, p.num_splits);
+      wide = true;
+    }
+  }
+  if (!wide)
+    k3::mla::combine_splits_kernel<R><<<static_cast<unsigned>(rows), R / 4, 0, stream>>>(
+        p.o_part, p.lse_part, p.a_lat, rows, p.num_splits);
+  return cudaGetLastError();
+}
+
+// Absorbed attention in latent space: a_lat = softmax(scale·[q_lat|q_pe]·cacheᵀ)·c_kv.
+cudaError_t latent_attention(const bf16* q_lat, const bf16* q, const int* cu_seqlens,
+                             const int* context_lens, const int* block_tables, const bf16* cache,
+                             bf16* a_lat, const Workspace& ws, const SplitPlan& plan, int num_tokens,
+                             int num_seqs, int max_blocks, int block_size, int num_heads, int nope,
+                             int rope, int rank, float softmax_scale, cudaStream_t stream) {
+  k3::mla::LatentAttentionParams p{};
+  p.q_lat = q_lat;
+  p.q = q;
+  p.cache = cache;
+  p.cu_seqlens = cu_seqlens;
+  p.context_lens = context_lens;
+  p.block_tables = block_tables;
+  p.a_lat = a_lat;
+  p.o_part = ws.o_part;
+  p.lse_part = ws.lse_part;
+  p.num_tokens = num_tokens;
+  p.num_seqs = num_seqs;
+  p.num_heads = num_heads;
+  p.q_head_stride = nope + rope;
+  p.rope_offset = nope;
+  p.max_blocks = max_blocks;
+  p.block_size = block_size;
+  p.head_groups = plan.head_groups;
+  p.num_splits = plan.num_splits;
+  p.split_tokens = plan.split_tokens;
+  p.scale_log2 = softmax_scale * 1.4426950408889634f;
+  return rank == 512 ? launch_attention<512, 64>(p, plan.heads_per_cta, stream)
+                     : launch_attention<64, 16>(p, plan.heads_per_cta, stream);
+}
+
+template <bool kBStoredNK>
+cudaError_t head_gemm(const k3::mla::HeadGemmParams& p, int heads, cudaStream_t stream) {
+  dim3 grid((p.n + k3::mla::kGemmBN - 1) / k3::mla::kGemmBN, (p.m + k3::mla::kGemmBM - 1) / k3::mla::kGemmBM,
+            heads);
+  k3::mla::head_gemm_kernel<kBStoredNK><<<grid, k3::mla::kGemmThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// The absorbed form of every launcher (k3/params.h K3MlaParams, the contract's names).
+cudaError_t mla_forward(const K3MlaParams& p, cudaStream_t stream) {
+  const void *q = p.q, *latent = p.latent, *w_uk = p.w_uk, *w_uv = p.w_uv;
+  const int *cu_seqlens = p.cu_seqlens, *context_lens = p.context_lens, *block_tables = p.block_tables;
+  const int* slot_mapping = p.slot_mapping;
+  void *latent_cache = p.latent_cache, *out = p.out, *workspace = p.workspace;
+  const int num_tokens = p.num_tokens, num_seqs = p.num_seqs, max_blocks = p.max_blocks, block_size = p.block_size;
+  const int num_heads = p.num_heads, nope = p.qk_nope_head_dim, rope = p.qk_rope_head_dim, rank = p.kv_lora_rank;
+  const int v_dim = p.v_head_dim;
+  const float softmax_scale = p.softmax_scale;
+  const size_t workspace_bytes = p.workspace_bytes;
+  if (!supported(rank, rope, nope, v_dim) || num_heads <= 0 || num_seqs <= 0 || block_size <= 0 ||
+      max_blocks <= 0 || num_tokens < 0)
+    return cudaErrorInvalidValue;
+  if (num_tokens == 0) return cudaSuccess;
+  const SplitPlan plan = plan_splits(num_tokens, num_heads, rank, max_blocks, block_size);
+  const Workspace ws = carve(workspace, num_tokens, num_heads, rank, plan);
+  if (workspace == nullptr || workspace_bytes < ws.bytes) return cudaErrorInvalidValue;
+  const int width = rank + rope;
+  const bf16* qb = static_cast<const bf16*>(q);
+  bf16* cache = static_cast<bf16*>(latent_cache);
+
+  k3::mla::insert_latents_kernel<<<num_tokens, 64, 0, stream>>>(static_cast<const bf16*>(latent), slot_mapping,
+                                                                 cache, width);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+
+  k3::mla::HeadGemmParams absorb{};
+  absorb.a = qb;
+  absorb.lda = static_cast<int64_t>(num_heads) * (nope + rope);
+  absorb.a_head = nope + rope;
+  absorb.b = static_cast<const bf16*>(w_uk);
+  absorb.ldb = rank;
+  absorb.b_head = static_cast<int64_t>(nope) * rank;
+  absorb.c = ws.q_lat;
+  absorb.ldc = static_cast<int64_t>(num_heads) * rank;
+  absorb.c_head = rank;
+  absorb.m = num_tokens;
+  absorb.n = rank;
+  absorb.k = nope;
+  if ((err = head_gemm<false>(absorb, num_heads, stream)) != cudaSuccess) return err;
+
+  err = latent_attention(ws.q_lat, qb, cu_seqlens, context_lens, block_tables, cache, ws.a_lat, ws, plan,
+                         num_tokens, num_seqs, max_blocks, block_size, num_heads, nope, rope, rank,
+                         softmax_scale, stream);
+  if (err != cudaSuccess) return err;
+
+  k3::mla::HeadGemmParams up{};
+  up.a = ws.a_lat;
+  up.lda = static_cast<int64_t>(num_heads) * rank;
+  up.a_head = rank;
+  up.b = static_cast<const bf16*>(w_uv);
+  up.ldb = rank;
+  up.b_head = static_cast<int64_t>(v_dim) * rank;
+  up.c = static_cast<bf16*>(out);
+  up.ldc = static_cast<int64_t>(num_heads) * v_dim;
+  up.c_head = v_dim;
+  up.m = num_tokens;
+  up.n = v_dim;
+  up.k = rank;
+  return head_gemm<true>(up, num_heads, stream);
+}
+
+// ---- Expanded prefill -------------------------------------------------------------------
+
+// Dispatch rule (host side, no device data): the expanded form when the step has at least
+// this many new tokens per sequence on average. For a chunk of n new tokens after a context
+// of c >> n both forms cost ~ c: the absorbed one n·c·2176 FLOP per head, the expanded one
+// the expansion of all c keys (2·R·(DN+DV) = 262144 FLOP per key and head) plus attention
+// over them, which few query tiles cannot spread over the GPU. So the break-even n hardly
+// depends on c: measured at c = 16384 it is ~370 at both 96 and 12 heads (n = 128: expanded
+// 0.4x the absorbed speed, n = 512: 1.2-1.3x; bench/NOTES_mla.md). Fresh prefills gain
+// earlier (T = 2048, no context: 2.2x), so the rule is conservative there.
+constexpr int kExpandedMinTokensPerSeq = 384;
+// Per-pass K/V buffers are capped at this many bytes, i.e. at 10880 keys for K3 at 96
+// heads and 85504 at 12: longer key ranges (100k+ contexts) take several passes.
+constexpr size_t kPassBufferBytes = size_t{512} << 20;
+constexpr int kPassKeysAlign = k3::mla::kExpandBM;
+// Query tiles of 256 rows (two 16-row blocks per warp: half the K/V fragment loads per
+// MMA; 1.25x the 128-row kernel at T = 16384, bench/NOTES_mla.md) while they still give
+// every SM >= 4 items to balance; 128 rows otherwise.
+constexpr int kWideItemsPerSm = 4;
+
+bool expanded_supported(int rank, int rope, int nope, int v_dim) {
+  return supported(rank, rope, nope, v_dim) &&
+         ((nope == 128 && rope == 64 && v_dim == 128) || (nope == 32 && rope == 16 && v_dim == 32));
+}
+
+// Batch-invariant mode: never (the choice follows the batch's tokens per sequence, and the
+// expanded form's key passes run over the whole batch's keys): the absorbed form, whose splits
+// are then fixed per sequence.
+bool prefer_expanded(int num_tokens, int num_seqs) {
+  return g_batch_invariant.load(std::memory_order_relaxed) == 0 &&
+         static_cast<int64_t>(num_tokens) >= static_cast<int64_t>(kExpandedMinTokensPerSeq) * num_seqs;
+}
+
+struct ExpandedLayout {
+  int* key_offsets;
+  int* tile_offsets;
+  bf16* k_nope;
+  bf16* v;
+  bf16* k_pe;
+  float* acc;      // several passes only
+  float* acc_lse;  // several passes only
+  size_t bytes;
+};
+
+ExpandedLayout carve_expanded(void* base, int num_tokens, int num_seqs, int num_heads, int nope, int rope,
+                              int v_dim, int64_t pass_keys, bool several_passes) {
+  const size_t keys = static_cast<size_t>(pass_keys);
+  const size_t acc_rows = several_passes ? static_cast<size_t>(num_tokens) * num_heads : 0;
+  k3::WorkspaceCarver c(base);
+  ExpandedLayout l{};
+  l.key_offsets = c.take<int>(static_cast<size_t>(num_seqs) + 1);
+  l.tile_offsets = c.take<int>(static_cast<size_t>(num_seqs) + 1);
+  l.k_nope = c.take<bf16>(keys * num_heads * nope);
+  l.v = c.take<bf16>(keys * num_heads * v_dim);
+  l.k_pe = c.take<bf16>(keys * rope);
+  l.acc = c.take<float>(acc_rows * v_dim);
+  l.acc_lse = c.take<float>(acc_rows);
+  l.bytes = c.used();
+  return l;
+}
+
+struct ExpandedPlan {
+  bool ok;
+  bool several_passes;
+  int pass_keys;
+  int passes;
+  size_t bytes;
+};
+
+// Keys per pass and pass count for an upper bound of the step's keys, Σ_b (context_b +
+// new_b) <= B · max_blocks · block_size (the host cannot read the lengths; passes past the
+// real end cost one early exit per CTA). One pass if the bound fits the cap and the
+// workspace; otherwise passes of the cap (or key_chunk, for tests), shrunk to fit
+// `available` bytes.
+ExpandedPlan plan_expanded(int num_tokens, int num_seqs, int num_heads, int nope, int rope, int v_dim,
+                           int max_blocks, int block_size, size_t available, int key_chunk) {
+  ExpandedPlan plan{};
+  const int64_t key_bound = static_cast<int64_t>(num_seqs) * max_blocks * block_size;
+  if (key_bound > INT_MAX / 2) return plan;
+  const int64_t per_key = static_cast<int64_t>(num_heads) * (nope + v_dim) * 2 + rope * 2;
+  const int64_t cap = key_chunk > 0 ? (static_cast<int64_t>(key_chunk) + kPassKeysAlign - 1) / kPassKeysAlign * kPassKeysAlign
+                                    : std::max<int64_t>(kPassKeysAlign, static_cast<int64_t>(kPassBufferBytes) / per_key /
+                                                                            kPassKeysAlign * kPassKeysAlign);
+  const int64_t whole = (key_bound + kPassKeysAlign - 1) / kPassKeysAlign * kPassKeysAlign;
+  int64_t keys = whole;
+  bool several = whole > cap;
+  if (!several && carve_expanded(nullptr, num_tokens, num_seqs, num_heads, nope, rope, v_dim, whole, false).bytes >
+                      available)
+    several = true;
+  if (several) {
+    const size_t fixed = carve_expanded(nullptr, num_tokens, num_seqs, num_heads, nope, rope, v_dim, 0, true).bytes;
+    if (available < fixed + 3 * 256) return plan;
+    const int64_t fit = static_cast<int64_t>((available - fixed - 3 * 256) / per_key) / kPassKeysAlign * kPassKeysAlign;
+    keys = std::min(cap, fit);
+    if (keys < kPassKeysAlign) return plan;
+  }
+  plan.several_passes = several;
+  plan.pass_keys = static_cast<int>(keys);
+  plan.passes = static_cast<int>((key_bound + keys - 1) / keys);
+  plan.bytes = carve_expanded(nullptr, num_tokens, num_seqs, num_heads, nope, rope, v_dim, keys, several).bytes;
+  plan.ok = plan.bytes <= available;
+  return plan;
+}
+
+// Both flash kernels are persistent: one CTA per SM, or one per item when there are fewer.
+template <typename Config>
+cudaError_t launch_persistent_flash(void (*kernel)(k3::mla::FlashParams), const k3::mla::FlashParams& p,
+                                    cudaStream_t stream) {
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(Config::SMEM_BYTES));
+  if (err != cudaSuccess) return err;
+  const int64_t items = static_cast<int64_t>(p.tile_bound) * p.num_heads;
+  kernel<<<static_cast<unsigned>(std::min<int64_t>(items, sm_count())), Config::THREADS, Config::SMEM_BYTES,
+           stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <int DN, int DR, int DV, int MB>
+cudaError_t launch_flash(const k3::mla::FlashParams& p, cudaStream_t stream) {
+  return launch_persistent_flash<k3::mla::FlashConfig<DN, DR, DV, MB>>(k3::mla::flash_prefill_kernel<DN, DR, DV, MB>,
+                                                                       p, stream);
+}
+
+// The wgmma kernel for the K3 dims (whole expanded prefill 1.2-1.5x faster than with the
+// mma.sync kernel, bench/NOTES_mla.md session 13); the mma.sync kernel for the other dims,
+// and for all with K3_MLA_PREFILL_MMA_SYNC (same-call comparisons).
+#ifdef K3_MLA_PREFILL_MMA_SYNC
+constexpr bool kFlashWgmma = false;
+#else
+constexpr bool kFlashWgmma = true;
+#endif
+
+cudaError_t launch_flash_wgmma(const k3::mla::FlashParams& p, cudaStream_t stream) {
+  return launch_persistent_flash<k3::mla::FlashWgmmaConfig>(k3::mla::flash_prefill_wgmma_kernel, p, stream);
+}
+
+// The expanded prefill of `plan` (k3/params.h K3MlaParams, the contract's names).
+cudaError_t expanded_forward(const K3MlaParams& p, const ExpandedPlan& plan, cudaStream_t stream) {
+  const bf16 *q = static_cast<const bf16*>(p.q), *latent = static_cast<const bf16*>(p.latent);
+  const bf16 *w_uk = static_cast<const bf16*>(p.w_uk), *w_uv = static_cast<const bf16*>(p.w_uv);
+  const int *cu_seqlens = p.cu_seqlens, *context_lens = p.context_lens, *block_tables = p.block_tables;
+  const int* slot_mapping = p.slot_mapping;
+  bf16 *cache = static_cast<bf16*>(p.latent_cache), *out = static_cast<bf16*>(p.out);
+  const int num_tokens = p.num_tokens, num_seqs = p.num_seqs, max_blocks = p.max_blocks, block_size = p.block_size;
+  const int num_heads = p.num_heads, nope = p.qk_nope_head_dim, rope = p.qk_rope_head_dim, rank = p.kv_lora_rank;
+  const int v_dim = p.v_head_dim;
+  const float softmax_scale = p.softmax_scale;
+  void* workspace = p.workspace;
+  const ExpandedLayout l = carve_expanded(workspace, num_tokens, num_seqs, num_heads, nope, rope, v_dim,
+                                          plan.pass_keys, plan.several_passes);
+  const int wide_rows = k3::mla::FlashConfig<128, 64, 128, 2>::BM;
+  const bool wide = static_cast<int64_t>((num_tokens + wide_rows - 1) / wide_rows + num_seqs) * num_heads >=
+                    static_cast<int64_t>(kWideItemsPerSm) * sm_count();
+  const bool wgmma = kFlashWgmma && nope == k3::mla::FlashWgmmaConfig::DN;
+  const int tile_rows = wgmma ? k3::mla::FlashWgmmaConfig::BM
+                              : wide ? wide_rows : k3::mla::FlashConfig<128, 64, 128, 1>::BM;
+  k3::mla::insert_latents_kernel<<<num_tokens, 64, 0, stream>>>(latent, slot_mapping, cache, rank + rope);
+  k3::mla::prefill_offsets_kernel<<<1, 256, 0, stream>>>(cu_seqlens, context_lens, num_seqs, tile_rows,
+                                                         l.key_offsets, l.tile_offsets);
+  const int64_t rows = static_cast<int64_t>(num_tokens) * num_heads;
+  if (plan.several_passes)
+    k3::mla::fill_neg_inf_kernel<<<static_cast<unsigned>(std::min<int64_t>((rows + 255) / 256, 4096)), 256, 0,
+                                   stream>>>(l.acc_lse, rows);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  err = cudaFuncSetAttribute(k3::mla::expand_latents_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(k3::mla::kExpandSmemBytes));
+  if (err != cudaSuccess) return err;
+
+  k3::mla::ExpandParams e{};
+  e.cache = cache;
+  e.block_tables = block_tables;
+  e.key_offsets = l.key_offsets;
+  e.w_uk = w_uk;
+  e.w_uv = w_uv;
+  e.k_nope = l.k_nope;
+  e.v = l.v;
+  e.k_pe = l.k_pe;
+  e.num_seqs = num_seqs;
+  e.max_blocks = max_blocks;
+  e.block_size = block_size;
+  e.n_k = num_heads * nope;
+  e.n_v = num_heads * v_dim;
+  e.rank = rank;
+  e.rope = rope;
+  e.pass_keys = plan.pass_keys;
+  const int64_t expand_items = static_cast<int64_t>(plan.pass_keys / k3::mla::kExpandBM) *
+                               ((e.n_k + k3::mla::kExpandBN - 1) / k3::mla::kExpandBN +
+                                (e.n_v + k3::mla::kExpandBN - 1) / k3::mla::kExpandBN);
+  const unsigned expand_grid = static_cast<unsigned>(std::min<int64_t>(expand_items, 2 * sm_count()));
+
+  k3::mla::FlashParams f{};
+  f.q = q;
+  f.k_nope = l.k_nope;
+  f.k_pe = l.k_pe;
+  f.v = l.v;
+  f.cu_seqlens = cu_seqlens;
+  f.context_lens = context_lens;
+  f.key_offsets = l.key_offsets;
+  f.tile_offsets = l.tile_offsets;
+  f.out = out;
+  f.acc = plan.several_passes ? l.acc : nullptr;
+  f.acc_lse = plan.several_passes ? l.acc_lse : nullptr;
+  f.num_seqs = num_seqs;
+  f.num_heads = num_heads;
+  f.tile_bound = (num_tokens + tile_rows - 1) / tile_rows + num_seqs;
+  f.pass_keys = plan.pass_keys;
+  f.scale_log2 = softmax_scale * 1.4426950408889634f;
+
+  for (int pass = 0; pass < plan.passes; ++pass) {
+    e.pass_begin = f.pass_begin = pass * plan.pass_keys;
+    k3::mla::expand_latents_kernel<<<expand_grid, k3::mla::kExpandThreads, k3::mla::kExpandSmemBytes, stream>>>(e);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    if (wgmma)
+      err = launch_flash_wgmma(f, stream);
+    else if (nope == 128)
+      err = wide ? launch_flash<128, 64, 128, 2>(f, stream) : launch_flash<128, 64, 128, 1>(f, stream);
+    else
+      err = wide ? launch_flash<32, 16, 32, 2>(f, stream) : launch_flash<32, 16, 32, 1>(f, stream);
+    if (err != cudaSuccess) return err;
+  }
+  if (plan.several_passes)
+    k3::mla::finalize_passes_kernel<<<static_cast<unsigned>(std::min<int64_t>((rows * v_dim / 2 + 255) / 256, 8192)),
+                                      256, 0, stream>>>(l.acc, out, rows * v_dim);
+  return cudaGetLastError();
+}
+
+bool valid_sizes(int num_tokens, int num_seqs, int max_blocks, int block_size, int num_heads) {
+  return num_heads > 0 && num_seqs > 0 && block_size > 0 && max_blocks > 0 && num_tokens >= 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+void k3_mla_set_batch_invariant(int enabled) { g_batch_invariant.store(enabled != 0, std::memory_order_relaxed); }
+
+// Workspace bytes of k3_mla_decode, and enough for k3_mla_prefill (its expanded form fits
+// its key passes into whatever it is given); k3_mla_prefill_workspace_size is the prefill's own need.
+size_t k3_mla_workspace_size(int num_tokens, int num_heads, int kv_lora_rank, int max_blocks, int block_size) {
+  if (num_tokens <= 0 || num_heads <= 0 || max_blocks <= 0 || block_size <= 0) return 0;
+  const SplitPlan plan = plan_splits(num_tokens, num_heads, kv_lora_rank, max_blocks, block_size);
+  return carve(nullptr, num_tokens, num_heads, kv_lora_rank, plan).bytes;
+}
+
+// The absorbed form.
+int k3_mla_decode(const K3MlaParams* p, cudaStream_t stream) {
+  return p == nullptr ? cudaErrorInvalidValue : mla_forward(*p, stream);
+}
+
+// The expanded form where k3_mla_prefill_uses_expanded says so, else the absorbed one.
+int k3_mla_prefill(const K3MlaParams* p, cudaStream_t stream) {
+  if (p == nullptr) return cudaErrorInvalidValue;
+  if (p->workspace != nullptr && p->num_tokens > 0 &&
+      valid_sizes(p->num_tokens, p->num_seqs, p->max_blocks, p->block_size, p->num_heads) &&
+      k3_mla_prefill_uses_expanded(p->num_tokens, p->num_seqs, p->num_heads, p->qk_nope_head_dim,
+                                   p->qk_rope_head_dim, p->kv_lora_rank, p->v_head_dim, p->max_blocks, p->block_size,
+                                   p->workspace_bytes)) {
+    const ExpandedPlan plan = plan_expanded(p->num_tokens, p->num_seqs, p->num_heads, p->qk_nope_head_dim,
+                                            p->qk_rope_head_dim, p->v_head_dim, p->max_blocks, p->block_size,
+                                            p->workspace_bytes, 0);
+    return expanded_forward(*p, plan, stream);
+  }
+  return mla_forward(*p, stream);
+}
+
+int k3_mla_prefill_uses_expanded(int num_tokens, int num_seqs, int num_heads, int qk_nope_head_dim,
+                                 int qk_rope_head_dim, int kv_lora_rank, int v_head_dim, int max_blocks,
+                                 int block_size, size_t workspace_bytes) {
+  if (!valid_sizes(num_tokens, num_seqs, max_blocks, block_size, num_heads) || num_tokens == 0 ||
+      !expanded_supported(kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim) ||
+      !prefer_expanded(num_tokens, num_seqs))
+    return 0;
+  return plan_expanded(num_tokens, num_seqs, num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, max_blocks,
+                       block_size, workspace_bytes, 0)
+      .ok;
+}
+
+size_t k3_mla_prefill_workspace_size(int num_tokens, int num_seqs, int num_heads, int qk_nope_head_dim,
+                                     int qk_rope_head_dim, int kv_lora_rank, int v_head_dim, int max_blocks,
+                                     int block_size) {
+  if (k3_mla_prefill_uses_expanded(num_tokens, num_seqs, num_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank,
+                                   v_head_dim, max_blocks, block_size, SIZE_MAX))
+    return plan_expanded(num_tokens, num_seqs, num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, max_blocks,
+                         block_size, SIZE_MAX, 0)
+        .bytes;
+  return k3_mla_workspace_size(num_tokens, num_heads, kv_lora_rank, max_blocks, block_size);
+}
+
+size_t k3_mla_prefill_expanded_workspace_size(int num_tokens, int num_seqs, int num_heads, int qk_nope_head_dim,
+                                              int qk_rope_head_dim, int kv_lora_rank, int v_head_dim,
+                                              int max_blocks, int block_size, int key_chunk) {
+  if (!valid_sizes(num_tokens, num_seqs, max_blocks, block_size, num_heads) ||
+      !expanded_supported(kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim))
+    return 0;
+  const ExpandedPlan plan = plan_expanded(num_tokens, num_seqs, num_heads, qk_nope_head_dim, qk_rope_head_dim,
+                                          v_head_dim, max_blocks, block_size, SIZE_MAX, key_chunk);
+  return plan.ok ? plan.bytes : 0;
+}
+
+int k3_mla_prefill_expanded(const K3MlaParams* p, cudaStream_t stream) {
+  if (p == nullptr || !valid_sizes(p->num_tokens, p->num_seqs, p->max_blocks, p->block_size, p->num_heads) ||
+      !expanded_supported(p->kv_lora_rank, p->qk_rope_head_dim, p->qk_nope_head_dim, p->v_head_dim))
+    return cudaErrorInvalidValue;
+  if (p->num_tokens == 0) return cudaSuccess;
+  const ExpandedPlan plan = plan_expanded(p->num_tokens, p->num_seqs, p->num_heads, p->qk_nope_head_dim,
+                                          p->qk_rope_head_dim, p->v_head_dim, p->max_blocks, p->block_size,
+                                          p->workspace_bytes, p->key_chunk);
+  if (p->workspace == nullptr || !plan.ok) return cudaErrorInvalidValue;
+  return expanded_forward(*p, plan, stream);
+}
+
+// The attention part alone (FlashMLA's scope), for benchmarks and callers that do the W_UK /
+// W_UV products themselves: a_lat [T,H,R] from q_lat [T,H,R] and q_pe = q[:, :, nope:].
+int k3_mla_latent_attention(const void* q_lat, const void* q, const int* cu_seqlens, const int* context_lens,
+                            const int* block_tables, const void* latent_cache, void* a_lat, int num_tokens,
+                            int num_seqs, int max_blocks, int block_size, int num_heads, int qk_nope_head_dim,
+                            int qk_rope_head_dim, int kv_lora_rank, float softmax_scale, void* workspace,
+                            size_t workspace_bytes, cudaStream_t stream) {
+  if (!supported(kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, 8) || num_heads <= 0 || num_seqs <= 0 ||
+      block_size <= 0 || max_blocks <= 0 || num_tokens < 0)
+    return cudaErrorInvalidValue;
+  if (num_tokens == 0) return cudaSuccess;
+  const SplitPlan plan = plan_splits(num_tokens, num_heads, kv_lora_rank, max_blocks, block_size);
+  const Workspace ws = carve(workspace, num_tokens, num_heads, kv_lora_rank, plan);
+  if (workspace == nullptr || workspace_bytes < ws.bytes) return cudaErrorInvalidValue;
+  return latent_attention(static_cast<const bf16*>(q_lat), static_cast<const bf16*>(q), cu_seqlens, context_lens,
+                          block_tables, static_cast<const bf16*>(latent_cache), static_cast<bf16*>(a_lat), ws, plan,
+                          num_tokens, num_seqs, max_blocks, block_size, num_heads, qk_nope_head_dim,
+                          qk_rope_head_dim, kv_lora_rank, softmax_scale, stream);
+}
+
+}  // extern "C"
