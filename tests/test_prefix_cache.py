@@ -300,6 +300,30 @@ def test_synthetic_arrivals_preemption_and_eviction_equal_no_cache(num_blocks, s
     check_all_released(engine)
 
 
+def test_a_failed_step_leaves_no_snapshot_behind(monkeypatch):
+    """A step that raises (the serve loop fails its requests and goes on) ran none of its saves:
+    the rows it would have written must not be indexed, or a later request restores a row that
+    holds nothing (the synthetic executor raises on such a restore)."""
+    engine = synthetic_engine(prefix=True)
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    prompt = [3 + i % 50 for i in range(S + 4)]  # its one snapshot position is S
+    rid = engine.add_request(prompt, params)
+    real = engine.runner.executor.execute
+    monkeypatch.setattr(engine.runner.executor, "execute", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.step()
+    engine.abort(rid)
+    monkeypatch.setattr(engine.runner.executor, "execute", real)
+    other = [3 + (7 * i) % 60 for i in range(S + 3)]
+    first, = engine.generate([prompt], params)
+    engine.generate([other], params)
+    again, = engine.generate([prompt], params)
+    assert again.output_token_ids == first.output_token_ids
+    assert again.cached_tokens == expected_hit(prompt, [history(first)])
+    engine.scheduler.blocks.check([])
+    engine.scheduler.prefix.check()
+
+
 def test_synthetic_executor_catches_a_wrong_restore():
     engine = synthetic_engine(True)
     rng = random.Random(1)

@@ -376,6 +376,12 @@ class PrefixCache:
         self._pending[row] = h
         return seq.state_slot, row
 
+    def discard_pending(self) -> None:
+        """The last step's saves did not run (it raised before ``commit``): their rows hold
+        nothing and go back to the free list, never to the index."""
+        self._free.extend(self._pending)
+        self._pending.clear()
+
     def commit(self) -> None:
         """The step ran: the rows it saved hold their snapshots now."""
         for row, h in self._pending.items():

@@ -91,6 +91,9 @@ class Scheduler:
         return bool(self.waiting) or bool(self.running)
 
     def schedule(self) -> ScheduledBatch:
+        if self.prefix is not None:
+            # saves still pending belong to a step that raised (postprocess commits them)
+            self.prefix.discard_pending()
         batch = ScheduledBatch()
         scheduled: set[int] = set()
         budget = self.max_num_tokens

@@ -131,6 +131,23 @@ def test_attn_res_final_norm_matches_the_reference_on_its_rows():
     _assert_close(got, ref.double(), ref, ulps=2.0, atol=atol)
 
 
+def test_operands_the_kernels_cannot_read_safely_go_to_the_reference(monkeypatch):
+    """A weight shorter than the rows or an operand on another device would be read by the kernel
+    as if valid (out of bounds, or a foreign pointer that breaks the CUDA context): such calls
+    go to the reference, which raises its own error."""
+    from k3_trtllm.ops import cuda_library
+    from k3_trtllm.ops.norm import cuda
+    monkeypatch.setattr(cuda_library, "_warned", set())
+    x = _rand(4, 256, seed=70)
+    with pytest.warns(cuda_library.KernelFallbackWarning, match="weight of length 128 for rows of 256"):
+        with pytest.raises(RuntimeError):
+            cuda.rms_norm(x, torch.ones(128, device="cuda"), EPS)
+    with pytest.warns(cuda_library.KernelFallbackWarning, match="up on cpu"):
+        with pytest.raises(RuntimeError):
+            cuda.glu(_rand(4, 256, seed=71), _rand(4, 256, seed=72).cpu(), 0, 0.0, 0.0)
+    torch.cuda.synchronize()
+
+
 def test_calls_with_no_rows_return_empty_outputs():
     """A prefill chunk that samples no token asks the final norm for no rows (every chunk the
     prefix cache cuts at a snapshot position): an empty result, not a launch error, even though

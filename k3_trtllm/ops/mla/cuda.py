@@ -111,6 +111,9 @@ def _run(contract, entry_name, reference, workspace_bytes, q, latent, w_uk, w_uv
     if reason is not None:
         _require(reference is not None, f"{entry_name}: the CUDA kernels do not support {reason}")
         return fall_back(contract.name, reason, reference, *args)
+    # the kernels index these 1-D lists densely (a strided view would read, and write the cache
+    # at, the wrong slots); the contract requires contiguity only of what is updated in place
+    cu_seqlens, context_lens, slot_mapping = cu_seqlens.contiguous(), context_lens.contiguous(), slot_mapping.contiguous()
     num_tokens, num_seqs = q.shape[0], context_lens.shape[0]
     out = torch.empty((num_tokens, num_heads * v_head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0:

@@ -77,20 +77,30 @@ def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def _why_not(tensors: dict[str, torch.Tensor | None], weights: dict[str, torch.Tensor | None]) -> str | None:
-    """Why the kernels cannot take these operands (bf16 CUDA activations with a contiguous last
-    dim; bf16/fp32 1-D weights), or None. Alignment is the launcher's: it picks its vector width."""
+def _why_not(tensors: dict[str, torch.Tensor | None], weights: dict[str, torch.Tensor | None],
+             dim: int | None = None) -> str | None:
+    """Why the kernels cannot take these operands (bf16 activations with a contiguous last dim and
+    bf16/fp32 1-D weights of length ``dim``, all on the first tensor's CUDA device), or None: a
+    pointer from another device or a short weight would be read as if it were valid. Alignment is
+    the launcher's: it picks its vector width."""
+    device = next(t.device for t in tensors.values() if t is not None)
     for name, t in tensors.items():
         if t is None:
             continue
+        if t.device != device:
+            return f"{name} on {t.device} (the other operands are on {device})"
         if t.dtype != torch.bfloat16:
             return f"{name} of dtype {_dtype_name(t)} (they take bfloat16)"
         if t.dim() and t.stride(-1) != 1:
             return f"{name} with a strided last dim"
     for name, w in weights.items():
+        if w is not None and w.device != device:
+            return f"{name} on {w.device} (the other operands are on {device})"
         if _weight(w) is None:
             return f"{name} of dtype {_dtype_name(w)}, shape {list(w.shape)} (they take a contiguous 1-D bf16/fp32 " \
                    "weight)"
+        if w is not None and w.shape[0] != dim:
+            return f"{name} of length {w.shape[0]} for rows of {dim}"
     return None
 
 
@@ -106,7 +116,7 @@ def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, ep
 
 def _norm(x, weight, gate, eps):
     op = "rms_norm" if gate is None else "gated_rms_norm"
-    reason = _why_not({"x": x, "gate": gate}, {"weight": weight})
+    reason = _why_not({"x": x, "gate": gate}, {"weight": weight}, x.shape[-1] if x.dim() else None)
     if reason is None and gate is None and x.dim() != 2:
         reason = f"x of shape {list(x.shape)} (they take [T, d] rows)"
     if reason is None and gate is not None and (x.dim() != 3 or gate.shape != x.shape):
@@ -133,7 +143,7 @@ def _mix_reason(sources, residual, query, norm_weight) -> str | None:
     if not 1 <= len(sources) <= MAX_SOURCES:
         return f"{len(sources)} sources (they take 1..{MAX_SOURCES})"
     reason = _why_not({f"sources[{i}]": s for i, s in enumerate(sources)} | {"residual": residual},
-                      {"norm_weight": norm_weight})
+                      {"norm_weight": norm_weight}, sources[-1].shape[-1] if sources[-1].dim() else None)
     if reason is not None:
         return reason
     shape = sources[-1].shape
@@ -141,6 +151,8 @@ def _mix_reason(sources, residual, query, norm_weight) -> str | None:
         return f"sources of shape {list(shape)} (they take [T, d], even d <= {MAX_MIX_DIM})"
     if any(s.shape != shape for s in sources) or (residual is not None and residual.shape != shape):
         return "sources or residual of differing shapes"
+    if query.device != sources[-1].device:
+        return f"a query on {query.device} (the sources are on {sources[-1].device})"
     if query.dtype != torch.float32 or query.shape != (shape[1],) or not query.is_contiguous():
         return f"a query of dtype {_dtype_name(query)}, shape {list(query.shape)} (they take fp32 [d])"
     return None
@@ -182,7 +194,7 @@ def attn_res_mix_norm(sources, residual, query, eps, norm_weight, norm_eps):
 def attn_res_final_norm(sources, residual, query, eps, rows, norm_weight, norm_eps):
     """``reference.attn_res_final_norm`` in one kernel, over the ``rows`` tokens only."""
     reason = _mix_reason(sources, residual, query, norm_weight)
-    if reason is None and (rows.dtype != torch.int32 or rows.dim() != 1 or not rows.is_cuda):
+    if reason is None and (rows.dtype != torch.int32 or rows.dim() != 1 or rows.device != sources[-1].device):
         reason = f"rows of dtype {_dtype_name(rows)} on {rows.device} (they take an int32 CUDA vector)"
     if reason is not None:
         return fall_back("attn_res_final_norm", reason, reference.attn_res_final_norm, sources, residual, query,

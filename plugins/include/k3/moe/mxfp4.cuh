@@ -81,7 +81,7 @@ __device__ __forceinline__ void mxfp4_dequant8(uint32_t packed, const Mxfp4Scale
 // every byte b, subnormal at 0, NaN at 255) finishes them; the scale bytes go through a second,
 // 256-word table (a warp's 16 scale bytes per lookup are a few distinct values in practice, and
 // lanes reading the same word share one access).
-struct Mxfp4DecodeTable {
+struct alignas(16) Mxfp4DecodeTable {  // filled with 16-byte stores (mxfp4_table_fill)
   uint32_t pairs[256 * 32];
   uint32_t scales[256];
 };
