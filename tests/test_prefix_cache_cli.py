@@ -140,6 +140,14 @@ def test_bench_prints_the_prefix_cache_block():
     assert json.loads(off.stdout)["prefix_cache"]["hits"] == 0
 
 
+def test_bench_refuses_requests_longer_than_max_seq_len_before_running():
+    result = invoke("bench", TINY, "--num-requests", 2, "--prompt-len", "5:9", "--output-len", 4, "--warmup", 0,
+                    "--shared-prefix-len", 90, "--quiet", *POOL, *CACHE)
+    assert result.exit_code == 1 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == ["Error: --shared-prefix-len 90 + --prompt-len max 9 + --output-len max "
+                                                  "4 = 103 tokens exceeds --max-seq-len 96"]
+
+
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("prefix-engine-dir")

@@ -55,6 +55,11 @@ def bench(model_dir, num_requests, arrival_rate, prompt_len, output_len, shared_
     engine = build_engine_from_options(model_dir, **engine_kwargs)
     try:
         with rank_failures():
+            limit = engine.config.max_seq_len
+            longest = shared_prefix_len + prompt_len[1] + output_len[1]
+            if limit is not None and longest > limit:  # else a long request would fail the run half way
+                raise ValueError(f"--shared-prefix-len {shared_prefix_len} + --prompt-len max {prompt_len[1]} + "
+                                 f"--output-len max {output_len[1]} = {longest} tokens exceeds --max-seq-len {limit}")
             work = make_workload(num_requests, prompt_len, output_len, arrival_rate, engine.vocab_size, seed)
             if shared_prefix_len:
                 rng = random.Random(f"shared prefix {seed}")

@@ -208,6 +208,8 @@ class BlockManager:
         from ``start`` to ``end``. A hash another block holds already (the same prefix computed
         twice at once) keeps that block; this one stays private."""
         bs = self.block_size
+        if start // bs == end // bs:  # no block filled: most decode steps, no hashing
+            return
         hashes = chain_hashes(seq, bs, end // bs)
         for i in range(start // bs, end // bs):
             block = seq.block_table[i]
