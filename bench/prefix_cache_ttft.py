@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import random
 import statistics
@@ -46,7 +45,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from rank_slice import (BenchError, _fill_random_, _int_at_least, bench_device, check_fits,  # noqa: E402
-                        model_bytes, rank_parallel, slice_config, slice_description, write_json)
+                        model_bytes, rank_parallel, read_config_json, slice_config, slice_description,
+                        write_json)
 
 from k3_trtllm.model import K3Caches, K3ForCausalLM  # noqa: E402
 from k3_trtllm.runtime.block_manager import resolve_prefix_interval  # noqa: E402
@@ -280,12 +280,7 @@ def main(argv=None) -> int:
         except ValueError as e:
             raise BenchError(str(e).replace("--prefix-cache-interval", "--interval")) from None
         path = Path(args.config)
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise BenchError(f"--config {path}: {e}") from None
-        if not isinstance(data, dict):
-            raise BenchError(f"--config {path}: expected a JSON object")
+        data = read_config_json(path)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             for tp, ep in args.shapes:  # every shape's flags checked before the first one runs

@@ -916,6 +916,17 @@ def write_json(path: str, report: dict) -> None:
 
 
 
+def read_config_json(path: Path) -> dict:
+    """``--config``: the HF config.json the slice takes its dims from, as a JSON object."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise BenchError(f"--config {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise BenchError(f"--config {path}: expected a JSON object")
+    return data
+
+
 def bench_device(name: str) -> torch.device:
     """``--device``: cpu, or cuda with the kernel library installed (without it the slice would
     time the fp32 reference ops, which says nothing about the kernels)."""
@@ -946,12 +957,7 @@ def main(argv=None) -> int:
                 raise BenchError(f"--batch-invariant: {e}") from None
             set_batch_invariant(True)
         path = Path(args.config)
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise BenchError(f"--config {path}: {e}") from None
-        if not isinstance(data, dict):
-            raise BenchError(f"--config {path}: expected a JSON object")
+        data = read_config_json(path)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             if args.repeat_check:
