@@ -91,6 +91,11 @@ def inputs(lengths, H):
         has_initial_state=torch.ones(B, dtype=torch.int32, device=dev),
         conv_state=torch.randn(B, 3 * P, W - 1, device=dev).bfloat16(),
         recurrent_state=torch.randn(B, H, D, D, device=dev) * 0.3,
+        # prefix-cache snapshots (issue 22): none taken (every offset -1, one unused row)
+        snapshot_offsets=torch.full((B, 1), -1, dtype=torch.int32, device=dev),
+        snapshot_rows=torch.zeros(B, 1, dtype=torch.int32, device=dev),
+        snapshot_conv=torch.zeros(1, 3 * P, W - 1, device=dev, dtype=torch.bfloat16),
+        snapshot_recurrent=torch.zeros(1, H, D, D, device=dev),
         out=torch.empty(T, P, device=dev, dtype=torch.bfloat16),
         H=H, B=B, T=T,
     )
@@ -111,8 +116,8 @@ def ours(name: str, x, lib=None):
     return run
 
 
-STATE_KEYS = ("qkv", "gate", "beta", "conv_weight", "A_log", "dt_bias", "cu_seqlens", "state_slots",
-              "has_initial_state", "conv_state", "recurrent_state")
+# the contract's inputs in order (inputs() makes every one the contract names)
+STATE_KEYS = tuple(spec.name for spec in KDA.contract.inputs)
 
 
 def decode_errors(x) -> dict[str, float]:
@@ -152,10 +157,10 @@ def prefill_vs_recurrence(x) -> dict[str, float]:
     return dict(out=rel(p["out"], d["out"]), state=rel(p["recurrent_state"], d["recurrent_state"]))
 
 
-def kernel_breakdown(x) -> dict[str, float]:
+def kernel_breakdown(x, lib=None) -> dict[str, float]:
     """Device time per kernel of one prefill call (torch profiler), in ms."""
     from torch.profiler import ProfilerActivity, profile
-    run = ours("k3_kda_prefill", x)
+    run = ours("k3_kda_prefill", x, lib)
     run()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

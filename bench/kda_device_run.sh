@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build kda.cu on its own (so a sibling kernel source being
 # edited cannot break it), run the CUDA tests, then the benchmark; logs and results in $OUT.
-#   [KDA_VARIANTS="name:-DFLAG[,-DFLAG2] ..."] bench/kda_device_run.sh [kda_bench.py args]
+#   [KDA_VARIANTS="name:-DFLAG[,-DFLAG2] ..."] [KDA_PREFILL_VARIANTS=...] [KDA_DECODE_VARIANTS=...]
+#   bench/kda_device_run.sh [kda_bench.py args]
 # FLA wheel in .whl/, FlashKDA in .carry/. Each variant is built in parallel with the main
-# library and benchmarked after the main run, ours only (no peers): $OUT/<name>.json.
+# library (they build while the tests run) and benchmarked after the main run:
+# KDA_PREFILL_VARIANTS all in one kda_prefill_variants.py process next to the main build
+# "tree" (args: KDA_PREFILL_ARGS, e.g. --flashkda PATH; $OUT/kda_prefill_variants.json), then
+# KDA_DECODE_VARIANTS likewise in kda_decode_bench.py (args: KDA_DECODE_ARGS, e.g. --fla;
+# $OUT/kda_decode.json), then KDA_VARIANTS one kda_bench.py process each, ours only
+# ($OUT/<name>.json). KDA_TEST_TIMEOUT=0 skips the tests, KDA_MAIN_BENCH=0 the main
+# kda_bench.py run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp/kda_out}"
@@ -22,16 +29,35 @@ build() {  # build LIB [nvcc flags]
 lib=/tmp/k3kda/libk3_kda.so
 build "$lib" 2>"$out/ptxas.log" &
 main_build=$!
-for v in ${KDA_VARIANTS:-}; do
+for v in ${KDA_VARIANTS:-} ${KDA_PREFILL_VARIANTS:-} ${KDA_DECODE_VARIANTS:-}; do
   flags="${v#*:}"
   build "/tmp/k3kda/lib_${v%%:*}.so" ${flags//,/ } 2>"/tmp/k3kda/ptxas_${v%%:*}.log" &
 done
 wait "$main_build" || { cat "$out/ptxas.log"; exit 1; }
-wait
 export K3_KERNELS_LIB="$lib" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
-timeout "${KDA_TEST_TIMEOUT:-150}" python3 -m pytest tests/gpu/test_kda_cuda.py -q -s 2>&1 | tee "$out/test.log" | grep -E "rel err|passed|failed|Error|error"
-timeout "${KDA_BENCH_TIMEOUT:-200}" python3 bench/kda_bench.py --out "$out" "$@" 2>&1 | tee "$out/bench.log" | grep -vE "^\{"
+if [ "${KDA_TEST_TIMEOUT:-150}" != 0 ]; then
+  timeout "${KDA_TEST_TIMEOUT:-150}" python3 -m pytest tests/gpu/test_kda_cuda.py -q -s -rA 2>&1 | tee "$out/test.log" | grep -E "rel err|passed|failed|PASS|FAIL|Error|error"
+fi
+wait  # the variant builds ran during the tests
+if [ "${KDA_MAIN_BENCH:-1}" != 0 ]; then
+  timeout "${KDA_BENCH_TIMEOUT:-200}" python3 bench/kda_bench.py --out "$out" "$@" 2>&1 | tee "$out/bench.log" | grep -vE "^\{"
+fi
+libs() {  # --lib arguments: the main build, then every built variant of the list
+  echo "--lib tree=$lib"
+  for v in "$@"; do
+    [ -f "/tmp/k3kda/lib_${v%%:*}.so" ] && echo "--lib ${v%%:*}=/tmp/k3kda/lib_${v%%:*}.so" ||
+      { echo "variant ${v%%:*}: build failed" >&2; tail -5 "/tmp/k3kda/ptxas_${v%%:*}.log" >&2; }
+  done
+}
+if [ -n "${KDA_PREFILL_VARIANTS:-}" ]; then
+  timeout "${KDA_PREFILL_TIMEOUT:-120}" python3 bench/kda_prefill_variants.py --out "$out" \
+    $(libs ${KDA_PREFILL_VARIANTS}) ${KDA_PREFILL_ARGS:-} 2>&1 | tee "$out/prefill_variants.log" | grep -vE "^\{"
+fi
+if [ -n "${KDA_DECODE_VARIANTS:-}" ]; then
+  timeout "${KDA_DECODE_TIMEOUT:-120}" python3 bench/kda_decode_bench.py --out "$out" \
+    $(libs ${KDA_DECODE_VARIANTS}) ${KDA_DECODE_ARGS:-} 2>&1 | tee "$out/decode_variants.log" | grep -vE "^\{"
+fi
 for v in ${KDA_VARIANTS:-}; do
   name="${v%%:*}"
   [ -f "/tmp/k3kda/lib_$name.so" ] || { echo "variant $name: build failed"; tail -5 "/tmp/k3kda/ptxas_$name.log"; continue; }

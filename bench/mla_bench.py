@@ -2,6 +2,7 @@
 
     python bench/mla_bench.py --out DIR [--flashmla path/_flashmla_C.abi3.so]
         [--shapes 64x8192x12,256x8192x16] [--attn-only] [--skip-prefill] [--skip-decode] [--no-plot]
+    python bench/mla_bench.py --out DIR --fp8-cache [--commit ID] [--fp8-shapes 1x8192x12,...]
 
 Writes DIR/mla_h200.json and DIR/mla_h200.png (--shapes: decode B x L x H to run;
 --attn-only: time the attention part alone, without whole-decode and torch rows). The
@@ -16,6 +17,10 @@ Decode bandwidth counts the latent cache bytes that must be read once (B * L * (
 over the time of the attention part alone (FlashMLA's scope: q_lat in, a_lat out) and of
 the whole decode op (cache insert, q_nope·W_UK, attention, ·W_UV), as TB/s and as a
 fraction of a device-to-device copy measured in the same run. Small caches rotate over copies so that L2 does not serve them.
+--fp8-cache: only the attention part at the fp8 shapes (contexts 8k and 32k, batch 1/8/64, 12
+and 128 heads) over the bf16 cache (ours, FlashMLA) and the fp8 cache (ours; rows of 656
+bytes instead of 1152), GPU time (CUDA graphs), each against its bytes-read floor (the cache
+bytes over the copy bandwidth) -> DIR/mla_fp8_cache_h200.json.
 """
 from __future__ import annotations
 
@@ -45,6 +50,8 @@ PREFILL_T = [2048, 16384]
 PREFILL_HEADS = [96, 12]
 CHUNK_CONTEXT = 16384
 CHUNK_NEW = [128, 384, 1024]
+FP8_SHAPES = [(b, L, h) for L in (8192, 32768) for h in (12, 128) for b in (1, 8, 64)]
+FP8_GROUP = 128  # fp8_cache.scale_group_for(512)
 
 
 def time_ms(fn, reps=20, warmup=3, batch=8):
@@ -196,6 +203,85 @@ def decode_case(batch, length, heads, copy_tbps, flashmla, attn_only=False):
     return row
 
 
+def fp8_decode_case(batch, length, heads, copy_tbps, flashmla):
+    """Attention alone over the same random latents as a bf16 cache and as an fp8 one."""
+    from k3_trtllm.ops.mla import fp8_cache
+    gen = torch.Generator(device="cuda").manual_seed(batch * 7 + heads)
+    blocks_per_seq = length // BLOCK
+    num_blocks = batch * blocks_per_seq
+    row_bytes = fp8_cache.row_bytes(RANK, ROPE, FP8_GROUP)
+    bf16_bytes, fp8_bytes = batch * length * WIDTH * 2, batch * length * row_bytes
+    copies = max(1, math.ceil((256 << 20) / bf16_bytes))
+    caches = [torch.randn(num_blocks, BLOCK, WIDTH, generator=gen, device="cuda").to(torch.bfloat16)
+              for _ in range(copies)]
+    caches8 = [fp8_cache.quantize(c, RANK, FP8_GROUP) for c in caches]
+    block_tables = torch.randperm(num_blocks, generator=gen, device="cuda").to(torch.int32).view(batch, -1)
+    context = torch.full((batch,), length - 1, dtype=torch.int32, device="cuda")
+    cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, heads, NOPE + ROPE, generator=gen, device="cuda").to(torch.bfloat16)
+    w_uk = (torch.randn(heads, NOPE, RANK, generator=gen, device="cuda") / NOPE ** 0.5).to(torch.bfloat16)
+    q_lat = torch.einsum("bhd,hdr->bhr", q[..., :NOPE], w_uk).contiguous()
+    row = dict(batch=batch, context=length, heads=heads, bf16_bytes=bf16_bytes, fp8_bytes=fp8_bytes,
+               fp8_row_bytes=row_bytes, l2_rotation_copies=copies,
+               bf16_floor_us=bf16_bytes / copy_tbps / 1e6, fp8_floor_us=fp8_bytes / copy_tbps / 1e6)
+
+    def ours_bf16(i):
+        return cuda_mla.latent_attention(q_lat, q, cu, context, block_tables, caches[i % copies], NOPE, SCALE)
+
+    def ours_fp8(i):
+        return cuda_mla.latent_attention(q_lat, q, cu, context, block_tables, caches8[i % copies], NOPE, SCALE,
+                                         scale_group=FP8_GROUP)
+
+    fns = {"ours_bf16": ours_bf16, "ours_fp8": ours_fp8}
+    # the fp8 kernel against the bf16 kernel over the unquantised latents: the cache's accuracy cost
+    row["fp8_vs_bf16_rel_err"] = rel_err(ours_fp8(0), ours_bf16(0))
+    if flashmla:
+        q_cat = torch.cat([q_lat, q[..., NOPE:]], dim=-1).view(batch, 1, heads, WIDTH)
+        seqlens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+        state = {}
+
+        def flashmla_bf16(i):
+            out, _, meta, splits = torch.ops._flashmla_C.dense_decode_fwd(
+                q_cat, caches[i % copies].view(num_blocks, BLOCK, 1, WIDTH), RANK, seqlens, block_tables,
+                SCALE, False, state.get("meta"), state.get("splits"), None)
+            state["meta"], state["splits"] = meta, splits
+            return out
+        try:
+            row["flashmla_vs_ours_bf16_rel_err"] = rel_err(flashmla_bf16(0).view(batch, heads, RANK), ours_bf16(0))
+            fns["flashmla_bf16"] = flashmla_bf16
+        except Exception as exc:  # record why the peer did not run, keep our numbers
+            row["flashmla_error"] = repr(exc)[:300]
+    for name, fn in fns.items():
+        us = time_graph_ms(fn) * 1e3
+        row[f"{name}_attn_graph_us"] = us
+        floor = row["fp8_floor_us"] if name == "ours_fp8" else row["bf16_floor_us"]
+        row[f"{name}_floor_frac"] = floor / us
+    row["fp8_vs_bf16_speed"] = row["ours_bf16_attn_graph_us"] / row["ours_fp8_attn_graph_us"]
+    if "flashmla_bf16_attn_graph_us" in row:
+        row["fp8_vs_flashmla_speed"] = row["flashmla_bf16_attn_graph_us"] / row["ours_fp8_attn_graph_us"]
+    return row
+
+
+def fp8_main(args, flashmla):
+    copy_tbps = copy_bandwidth()
+    result = dict(commit=args.commit or commit_id(), source_hash=source_hash(), gpu=torch.cuda.get_device_name(),
+                  date=datetime.date.today().isoformat(), torch=torch.__version__, copy_tbps=copy_tbps,
+                  fp8_scale_group=FP8_GROUP, decode_fp8=[])
+    print(f"copy {copy_tbps:.2f} TB/s")
+    for shape in args.fp8_shapes:
+        row = fp8_decode_case(*shape, copy_tbps, flashmla)
+        torch.cuda.empty_cache()
+        result["decode_fp8"].append(row)
+        (args.out / "mla_fp8_cache_h200.json").write_text(json.dumps(result, indent=1))
+        nan = float("nan")
+        print(f"B={row['batch']:3d} L={row['context']:6d} H={row['heads']:4d}  us: bf16 "
+              f"{row['ours_bf16_attn_graph_us']:.1f}"
+              f" ({row['ours_bf16_floor_frac']:.0%} of floor)  fp8 {row['ours_fp8_attn_graph_us']:.1f}"
+              f" ({row['ours_fp8_floor_frac']:.0%})  FlashMLA {row.get('flashmla_bf16_attn_graph_us', nan):.1f}"
+              f"  fp8/bf16 speed {row['fp8_vs_bf16_speed']:.2f}  fp8 vs FlashMLA "
+              f"{row.get('fp8_vs_flashmla_speed', nan):.2f}  fp8 err {row['fp8_vs_bf16_rel_err']:.1e}", flush=True)
+
+
 def prefill_inputs(context, tokens, heads):
     """One sequence: `context` cached random latents, `tokens` new ones, contiguous blocks."""
     gen = torch.Generator(device="cuda").manual_seed(tokens + heads + context)
@@ -332,11 +418,18 @@ def main():
                         default=DECODE_SHAPES)
     parser.add_argument("--attn-only", action="store_true")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--fp8-cache", action="store_true")
+    parser.add_argument("--fp8-shapes", default=FP8_SHAPES,
+                        type=lambda text: [tuple(int(x) for x in s.split("x")) for s in text.split(",")])
+    parser.add_argument("--commit", default="", help="commit id to record (the device copy has no git)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     flashmla = args.flashmla.exists()
     if flashmla:
         torch.ops.load_library(str(args.flashmla))
+    if args.fp8_cache:
+        fp8_main(args, flashmla)
+        return
     copy_tbps = copy_bandwidth()
     result = dict(commit=commit_id(), source_hash=source_hash(), gpu=torch.cuda.get_device_name(),
                   date=datetime.date.today().isoformat(), torch=torch.__version__, copy_tbps=copy_tbps,

@@ -3,7 +3,7 @@
     python3 bench/moe_bench.py --out DIR        (writes DIR/moe_h200.json)
     python3 bench/moe_bench.py --prefill-only --out DIR
     python3 bench/moe_bench.py --ours-only --out DIR  (no torch baselines: library A/B runs)
-    python3 bench/moe_bench.py --decode-only --label NAME --out DIR
+    python3 bench/moe_bench.py --decode-only --label NAME --out DIR [--kinds mxfp4]
         (decode cases alone, with per-kernel times; writes DIR/moe_decode_h200.json and appends
         one line per run to DIR/decode_runs.jsonl, so several kernel libraries run one after
         another in one device call land side by side)
@@ -206,6 +206,8 @@ def main() -> None:
                              "two kernel libraries need only our op)")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="the MoE batch-invariant mode (kernels chosen by sizes, not token count)")
+    parser.add_argument("--kinds", nargs="+", choices=("bf16", "mxfp4"), default=["bf16", "mxfp4"],
+                        help="expert formats to run (an A/B of MXFP4 kernels with identical bf16 ones: mxfp4)")
     parser.add_argument("--profile-once", action="store_true",
                         help="only call the bf16 prefill op once, eagerly (run under ncu)")
     args = parser.parse_args()
@@ -223,8 +225,8 @@ def main() -> None:
               "shape": {"E": E, "El": EL, "top_k": TOP_K, "L": L, "I": I, "D": D},
               "copy_bandwidth_GBps": copy_bandwidth_gbs(), "prefill": {}, "decode": {}}
     print(f"copy bandwidth {result['copy_bandwidth_GBps']:.0f} GB/s")
-    for mxfp4 in (False, True):
-        name = "mxfp4" if mxfp4 else "bf16"
+    for name in args.kinds:
+        mxfp4 = name == "mxfp4"
         experts = make_experts(mxfp4, g)
         if not args.decode_only:
             result["prefill"][name] = prefill_case(mxfp4, experts, g, args.ours_only)

@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Prefix-cache exactness on one device (issue 22): the tokens of P+B (a) uncached in one prefill, (b) uncached
-with prefill chunks cut at the interval (max_num_tokens = interval), (c) after P+A on a cached engine
-(a hit restoring the snapshot). (b) and (c) compute the same chunks: they must agree exactly.
+with the prefill cut after P (max_num_tokens = len(P)), (c) after P+A on a cached engine with the same budget
+(a hit restoring the snapshot at len(P), which the prefill took at its first chunk's end, the others mid-chunk).
+(b) and (c) compute the same chunks: they must agree exactly. (d): P[:200]+B on that engine restores the
+snapshot at 192, taken mid-chunk: equal to its uncached run in fp32 (in bf16 a prefill cut elsewhere rounds
+differently, as (a) vs (b) shows).
 
     python bench/prefix_cache_exactness.py cuda bfloat16   (after build_scripts/build_kernels.sh)
     python bench/prefix_cache_exactness.py cpu float32"""
@@ -35,9 +38,11 @@ def run(prompts, **kw):
         outs.append((r.output_token_ids, getattr(r, "cached_tokens", None)))
     return outs
 
-a = run([P + B], max_num_tokens=2048)
-b = run([P + B], max_num_tokens=64)
-c = run([P + A, P + B], max_num_tokens=2048, prefix_cache=True, prefix_cache_interval=64, snapshot_slots=8)
+D = P[:200] + B
+a = run([P + B, D], max_num_tokens=2048)
+b = run([P + B], max_num_tokens=len(P))
+c = run([P + A, P + B, D], max_num_tokens=len(P), prefix_cache=True, prefix_cache_interval=64, snapshot_slots=8)
 res = {"device": dev, "dtype": dtype_name, "a_whole": a[0][0], "b_chunked": b[0][0], "c_cached": c[1][0],
-       "c_cached_tokens": c[1][1], "b_eq_c": b[0][0] == c[1][0], "a_eq_b": a[0][0] == b[0][0], "a_eq_c": a[0][0] == c[1][0]}
+       "c_cached_tokens": c[1][1], "b_eq_c": b[0][0] == c[1][0], "a_eq_b": a[0][0] == b[0][0], "a_eq_c": a[0][0] == c[1][0],
+       "d_cached_tokens": c[2][1], "d_eq_uncached": c[2][0] == a[1][0]}
 print(json.dumps({k: v for k, v in res.items() if not isinstance(v, list)}))

@@ -17,8 +17,8 @@ run it through ``TorchExecutor`` the way ``build_engine`` wires one: one with th
 cache, one without. For each of ``--repeats`` fresh prefixes P, one request at a time:
 
 - uncached: P + suffix A and P + suffix B on the engine without the cache;
-- cold: P + A on the cached engine (a miss: its prefill ends a step at every snapshot
-  position to save the KDA state there, the cache's cost on a miss);
+- cold: P + A on the cached engine (a miss: the KDA prefill writes the snapshots mid-chunk,
+  so it runs the uncached steps; the cache's cost on a miss is the snapshot writes);
 - cached: P + B on the cached engine, which restores the snapshot at len(P) and prefills B.
 
 TTFT is the engine's own (a request's arrival to its first token, every step synchronised
@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -44,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from rank_slice import (BenchError, _fill_random_, _int_at_least, bench_device, check_fits,  # noqa: E402
+from rank_slice import (BenchError, _fill_random_, _int_at_least, bench_device, check_fits, commit_id,  # noqa: E402
                         model_bytes, rank_parallel, read_config_json, slice_config, slice_description,
                         write_json)
 
@@ -220,14 +218,7 @@ def run_shape(data: dict, source: str, device: torch.device, args, tp: int, ep: 
 
 
 def meta(device: torch.device, args, source: str) -> dict:
-    commit = os.environ.get("K3_COMMIT", "")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                    timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            commit = ""
-    return {"commit": f"{commit or 'unknown'} + working tree",
+    return {"commit": f"{commit_id()} + working tree",
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "cuda": torch.version.cuda, "config": source,
             "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -148,7 +148,7 @@ def test_bindings_that_cannot_create_a_builder_say_why(monkeypatch):
 def test_disk_full_during_the_export(ckpt_dir, tmp_path, monkeypatch):
     """The ONNX save fails as a full disk makes it fail (onnx_ir writes through a Python file
     object: the OSError names no file): one line naming the output, no temp dir left."""
-    def export(model, path, block_size, log):
+    def export(model, path, block_size, log, kv_cache_dtype):
         Path(path).write_bytes(b"part of a graph")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 

@@ -67,7 +67,7 @@ def test_ctypes_offsets_equal_the_c_compilers(compiler, suffix, tmp_path):
 
 # One value per contract symbol; every shape expression evaluates to a positive size with them.
 SYMBOLS = dict(T=5, P=8, H=2, W=4, B=3, S=4, K=4, V=4, Dn=6, Dr=2, R=8, Dv=4, max_blocks=3, num_blocks=7,
-               block_size=2, D=6, L=64, E=8, El=3, I=96)
+               block_size=2, D=6, L=64, E=8, El=3, I=96, N=2, Ns=5, Q=4)
 
 
 def _extent(expr: str) -> int:
@@ -122,6 +122,8 @@ def test_every_contract_launcher_takes_its_params_struct():
                                    header.read_text()))
     launchers = {"k3_kda_prefill": "K3KdaParams", "k3_kda_decode": "K3KdaParams", "k3_mla_prefill": "K3MlaParams",
                  "k3_mla_decode": "K3MlaParams", "k3_mla_prefill_expanded": "K3MlaParams",
+                 "k3_mla_prefill_fp8": "K3MlaFp8Params", "k3_mla_decode_fp8": "K3MlaFp8Params",
+                 "k3_mla_prefill_expanded_fp8": "K3MlaFp8Params",
                  "k3_situ_moe": "K3SituMoeParams", "k3_situ_moe_mxfp4": "K3SituMoeMxfp4Params"}
     assert {n: declared.get(n) for n in launchers} == launchers
     assert set(launchers.values()) == {s.name for s in PARAMS}

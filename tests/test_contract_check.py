@@ -34,26 +34,36 @@ def _evaluate(expr: str, values: dict[str, int]) -> int:
     return int(v)
 
 
-def _divisors(contract: OpContract) -> dict[str, int]:
-    """Each symbol's required multiple: the lcm of c over the contract's ``X/c`` dims."""
+def _divisors(contract: OpContract) -> tuple[dict[str, int], set[str]]:
+    """Each symbol's required multiple (the lcm of c over the contract's ``X/c`` dims), and the
+    symbols that divide (``4*R/Q``): every other symbol is made a multiple of their values."""
     out: dict[str, int] = {}
+    by_symbol: set[str] = set()
     for spec in contract.inputs + contract.outputs:
         for expr in spec.shape:
             for node in ast.walk(ast.parse(expr, mode="eval")):
                 if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
-                    sym, c = node.left.id, node.right.value
-                    out[sym] = math.lcm(out.get(sym, 1), c)
-    return out
+                    if isinstance(node.right, ast.Name):
+                        by_symbol.add(node.right.id)
+                        continue
+                    for sym in _names(ast.unparse(node.left)):
+                        out[sym] = math.lcm(out.get(sym, 1), node.right.value)
+    return out, by_symbol
 
 
 def _valid_call(contract: OpContract):
     """(tensors, attrs, every symbol's value) of a call the contract accepts. Values are
     distinct, so a dim checked against the wrong symbol cannot pass by accident."""
-    divisors = _divisors(contract)
+    divisors, by_symbol = _divisors(contract)
     attrs, k = {}, 2
+    for sym, expr in contract.attr_dims:  # the dividing symbols first: the others are multiples
+        if sym in by_symbol:
+            attrs[expr] = k * divisors.get(sym, 1)
+            k += 1
+    common = math.lcm(*(attrs[expr] for sym, expr in contract.attr_dims if sym in by_symbol))
     for sym, expr in contract.attr_dims:
         if expr.isidentifier() and expr not in attrs:
-            attrs[expr] = k * divisors.get(sym, 1)
+            attrs[expr] = k * math.lcm(divisors.get(sym, 1), common)
             k += 1
     attr_values = [attrs.get(a.name, _VALID_ATTRS.get(a.name, 0)) for a in contract.attrs]
     values = {sym: _evaluate(expr, attrs) for sym, expr in contract.attr_dims}
@@ -61,7 +71,7 @@ def _valid_call(contract: OpContract):
         for expr in spec.shape:
             for sym in _names(expr):
                 if sym not in values:
-                    values[sym] = k * divisors.get(sym, 1)
+                    values[sym] = k * math.lcm(divisors.get(sym, 1), common)
                     k += 1
     tensors = [torch.zeros([_evaluate(e, values) for e in spec.shape], dtype=_DTYPE[spec.dtype])
                for spec in contract.inputs]
@@ -190,7 +200,7 @@ def test_message_resolves_the_symbols_and_says_who_bound_them():
     with pytest.raises(ValueError, match=r"cu_seqlens: shape \[0\], expected \[B\+1\] = \[B\+1\]: dim 0 = 0 is not "
                                          r"B\+1 for a whole B >= 0"):
         KDA_PREFILL.check(*tensors, *attrs)
-    with pytest.raises(TypeError, match="expected 11 tensors and 3 attributes, got 13 arguments"):
+    with pytest.raises(TypeError, match="expected 15 tensors and 3 attributes, got 17 arguments"):
         KDA_PREFILL.check(*tensors, *attrs[:2])
 
 
@@ -233,3 +243,25 @@ def test_contract_definitions_that_cannot_bind_are_rejected():
     call = OpContract("bad", "Bad", (TensorSpec("a", "act", ("f(X)",)),), (), ())
     with pytest.raises(ValueError, match="only names, integers and"):
         call.check(torch.zeros(3))
+
+
+def test_memoized_check_returns_a_copy_and_still_refuses_what_it_reads():
+    """check is memoized on what it reads (shapes, dtypes, devices, the in-place inputs'
+    contiguity, the attributes): a call with the shapes of one that passed is still refused for
+    a strided pool or an input on another device, and the caller's dict is its own."""
+    contract = KDA_PREFILL
+    tensors, attrs, values = _valid_call(contract)
+    first = contract.check(*tensors, *attrs)
+    first["T"] = -1
+    assert contract.check(*tensors, *attrs) == values
+    pool = next(i for i, spec in enumerate(contract.inputs) if spec.mutated)
+    bad = list(tensors)
+    bad[pool] = torch.zeros([*tensors[pool].shape, 2], dtype=tensors[pool].dtype)[..., 0]
+    with pytest.raises(ValueError, match="not contiguous"):
+        contract.check(*bad, *attrs)
+    bad = list(tensors)
+    bad[1] = tensors[1].to("meta")
+    with pytest.raises(ValueError, match="on meta, expected cpu"):
+        contract.check(*bad, *attrs)
+    with pytest.raises(ValueError, match="expected a tensor"):
+        contract.check(*tensors[:-1], [0], *attrs)

@@ -179,6 +179,14 @@ def test_softplus_gate_matches_log1p_exp():
 # ---------------------------------------------------------------------------
 # op level
 # ---------------------------------------------------------------------------
+def _no_snapshots(num_seqs, dtype, state_dtype):
+    """The snapshot inputs of a step that takes none: one -1 column, one-row pools."""
+    return dict(snapshot_offsets=torch.full((num_seqs, 1), -1, dtype=torch.int32),
+                snapshot_rows=torch.zeros(num_seqs, 1, dtype=torch.int32),
+                snapshot_conv=torch.zeros(1, 3 * P, W - 1, dtype=dtype),
+                snapshot_recurrent=torch.zeros(1, H, K, K, dtype=state_dtype))
+
+
 def _op_inputs(lengths, flags, slots, num_slots, dtype, state_dtype, gen, lower_bound=-5.0):
     T = sum(lengths)
     args = dict(
@@ -193,6 +201,7 @@ def _op_inputs(lengths, flags, slots, num_slots, dtype, state_dtype, gen, lower_
         has_initial_state=torch.tensor(flags, dtype=torch.int32),
         conv_state=torch.randn(num_slots, 3 * P, W - 1, generator=gen).to(dtype),
         recurrent_state=(torch.randn(num_slots, H, K, K, generator=gen) * 0.3).to(state_dtype),
+        **_no_snapshots(len(lengths), dtype, state_dtype),
     )
     return args, (H, K, lower_bound)
 
@@ -213,6 +222,8 @@ def _one_seq(args, start, end, slot, continues):
         cu_seqlens=torch.tensor([0, end - start], dtype=torch.int32),
         state_slots=torch.tensor([slot], dtype=torch.int32),
         has_initial_state=torch.tensor([continues], dtype=torch.int32),
+        snapshot_offsets=torch.full((1, 1), -1, dtype=torch.int32),
+        snapshot_rows=torch.zeros(1, 1, dtype=torch.int32),
     )
 
 
@@ -267,11 +278,12 @@ def test_op_matches_naive_pipeline(dtype):
 def test_functional_twin_returns_caches_and_leaves_inputs_alone():
     args, attrs = _op_inputs([5, 3], [1, 0], [0, 1], 2, torch.float32, torch.float32, _gen(12))
     before = {n: t.clone() for n, t in args.items()}
-    out_f, conv_f, rec_f = torch.ops.k3.kda_decode_functional(*args.values(), *attrs)
+    out_f, conv_f, rec_f, snap_conv_f, snap_rec_f = torch.ops.k3.kda_decode_functional(*args.values(), *attrs)
     for n, t in args.items():
         assert torch.equal(t, before[n]), n
     out, conv_state, rec_state = _run(torch.ops.k3.kda_decode, args, attrs)
     assert torch.equal(out_f, out) and torch.equal(conv_f, conv_state) and torch.equal(rec_f, rec_state)
+    assert torch.equal(snap_conv_f, args["snapshot_conv"]) and torch.equal(snap_rec_f, args["snapshot_recurrent"])
 
 
 @pytest.mark.parametrize("name", ["kda_prefill", "kda_decode", "kda_prefill_functional", "kda_decode_functional"])
@@ -376,3 +388,93 @@ def test_bad_attributes_raise_value_error():
         _run(torch.ops.k3.kda_prefill, args, (H, K // 2, -5.0))
     with pytest.raises(ValueError, match="lower_bound"):
         _run(torch.ops.k3.kda_prefill, args, (H, K, -6.0))
+
+
+# ---------------------------------------------------------------------------
+# 8. prefix-cache snapshots written by the prefill (issue 22)
+# ---------------------------------------------------------------------------
+def test_naive_forms_snapshot_the_state_of_the_prefix():
+    """Both forms' snapshots == the final state of the first n tokens run alone (fp64)."""
+    q, k, v, g, beta, state = _kernel_inputs(150, -5.0, _gen(20))
+    for form, points in ((chunk_kda, (64, 128, 150)), (recurrent_kda, (1, 64, 100, 150))):
+        snaps = dict.fromkeys(points)
+        _, final = form(q, k, v, g, beta, K ** -0.5, state, snaps)
+        for n in points:
+            _, alone = recurrent_kda(q[:n], k[:n], v[:n], g[:n], beta[:n], K ** -0.5, state)
+            torch.testing.assert_close(snaps[n], alone, rtol=0, atol=1e-10, msg=f"{form.__name__} at {n}")
+        assert torch.equal(snaps[150], final)
+    with pytest.raises(ValueError, match=r"no state after \[100\] tokens"):
+        chunk_kda(q, k, v, g, beta, K ** -0.5, state, {100: None})
+
+
+_SNAP_LENGTHS, _SNAP_FLAGS, _SNAP_SLOTS = [200, 1, 130, 64, 70], [1, 0, 1, 0, 0], [3, 0, 5, 1, 2]
+# per sequence: its points (a multiple of 64 or its token count) and their rows
+_SNAP_POINTS = [[(64, 4), (128, 0), (200, 6)], [(1, 2)], [(128, 1)], [], [(64, 5), (70, 3)]]
+
+
+def _snapshot_inputs(points, num_rows, dtype, state_dtype, gen):
+    width = max(1, max(len(p) for p in points))
+    offsets = torch.full((len(points), width), -1, dtype=torch.int32)
+    rows = torch.zeros(len(points), width, dtype=torch.int32)
+    for b, p in enumerate(points):
+        for i, (o, r) in enumerate(p):
+            offsets[b, i], rows[b, i] = o, r
+    return dict(snapshot_offsets=offsets, snapshot_rows=rows,
+                snapshot_conv=torch.randn(num_rows, 3 * P, W - 1, generator=gen).to(dtype),
+                snapshot_recurrent=torch.randn(num_rows, H, K, K, generator=gen).to(state_dtype))
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, 0.0])
+def test_prefill_snapshots_equal_the_state_after_the_prefix_alone(lower_bound):
+    """Each snapshot row == the conv / recurrent state row a separate call over the first n tokens
+    of that sequence leaves (fp64); outputs and final states do not change; other rows stay."""
+    gen = _gen(21)
+    args, attrs = _op_inputs(_SNAP_LENGTHS, _SNAP_FLAGS, _SNAP_SLOTS, 6, torch.float64, torch.float64, gen,
+                             lower_bound)
+    plain = _run(torch.ops.k3.kda_prefill, args, attrs)
+    snaps = _snapshot_inputs(_SNAP_POINTS, 8, torch.float64, torch.float64, gen)
+    before = {n: snaps[n].clone() for n in ("snapshot_conv", "snapshot_recurrent")}
+    taken = _run(torch.ops.k3.kda_prefill, dict(args, **snaps), attrs)
+    for a, b in zip(plain, taken):
+        assert torch.equal(a, b)
+    starts = list(itertools.accumulate(_SNAP_LENGTHS, initial=0))
+    written = set()
+    for b, points in enumerate(_SNAP_POINTS):
+        for n, row in points:
+            _, conv, rec = _run(torch.ops.k3.kda_prefill, args, attrs,
+                                **_one_seq(args, starts[b], starts[b] + n, _SNAP_SLOTS[b], _SNAP_FLAGS[b]))
+            assert torch.equal(snaps["snapshot_conv"][row], conv[_SNAP_SLOTS[b]]), (b, n)
+            torch.testing.assert_close(snaps["snapshot_recurrent"][row], rec[_SNAP_SLOTS[b]], rtol=0, atol=1e-12,
+                                       msg=f"sequence {b} at {n}")
+            written.add(row)
+    for row in set(range(8)) - written:
+        assert torch.equal(snaps["snapshot_conv"][row], before["snapshot_conv"][row])
+        assert torch.equal(snaps["snapshot_recurrent"][row], before["snapshot_recurrent"][row])
+
+
+_BAD_SNAPSHOTS = {  # case: (offsets, rows of a 3-sequence step [4, 2, 70], message after "k3::kda_prefill: ")
+    "not_a_chunk_boundary": ([[3, -1], [-1, -1], [-1, -1]], [[0, 0], [0, 0], [0, 0]], "snapshot_offsets row 0"),
+    "past_the_sequence": ([[-1, -1], [-1, -1], [128, -1]], [[0, 0], [0, 0], [0, 0]], "snapshot_offsets row 2"),
+    "not_increasing": ([[-1, -1], [-1, -1], [70, 64]], [[0, 0], [0, 0], [0, 1]], "snapshot_offsets row 2"),
+    "gap_before_a_point": ([[-1, 4], [-1, -1], [-1, -1]], [[0, 0], [0, 0], [0, 0]],
+                           r"snapshot_offsets row 0 \[-1, 4\]: -1 entries must come last"),
+    "row_out_of_range": ([[4, -1], [-1, -1], [-1, -1]], [[2, 0], [0, 0], [0, 0]], "snapshot_rows 2 of sequence 0"),
+    "row_twice": ([[4, -1], [2, -1], [-1, -1]], [[1, 0], [1, 0], [0, 0]], "snapshot_rows 1 of sequence 1"),
+}
+
+
+@pytest.mark.parametrize("case", list(_BAD_SNAPSHOTS))
+def test_bad_snapshot_inputs_raise_value_error(case):
+    args, attrs = _op_inputs([4, 2, 70], [1, 0, 1], [0, 1, 2], 3, torch.float64, torch.float64, _gen(22))
+    offsets, rows, message = _BAD_SNAPSHOTS[case]
+    bad = dict(snapshot_offsets=torch.tensor(offsets, dtype=_I32), snapshot_rows=torch.tensor(rows, dtype=_I32),
+               snapshot_conv=torch.zeros(2, 3 * P, W - 1, dtype=torch.float64),
+               snapshot_recurrent=torch.zeros(2, H, K, K, dtype=torch.float64))
+    with pytest.raises(ValueError, match="^k3::kda_prefill: " + message):
+        _run(torch.ops.k3.kda_prefill, args, attrs, **bad)
+
+
+def test_decode_takes_no_snapshots():
+    args, attrs = _op_inputs([1, 1], [1, 1], [0, 1], 2, torch.float64, torch.float64, _gen(23))
+    with pytest.raises(ValueError, match="^k3::kda_decode: takes no snapshots"):
+        _run(torch.ops.k3.kda_decode, args, attrs, snapshot_offsets=torch.tensor([[1], [-1]], dtype=_I32))

@@ -143,3 +143,26 @@ def test_nested_checkpoint_equals_flat(ckpt_dir):
     step = build_step([(_prompt(6, 12), 0, 0, _table(0, 1))], BS)
     assert torch.equal(flat(step, flat.allocate_caches(2, BS, 1), decode=False),
                        nested(step, nested.allocate_caches(2, BS, 1), decode=False))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mxfp4"])
+def test_moe_terms_added_by_the_mix_equal_the_summed_output(preset, ckpt_dir, monkeypatch):
+    """The AttnRes mixes take the latent MoE's routed and shared outputs as two terms and add them
+    (on CUDA inside the mix kernel): the logits and caches must be bitwise those of the model that
+    adds them itself, in bf16 where each add rounds."""
+    from k3_trtllm.model.layers import LatentMoE
+    model = load_model(ckpt_dir(preset), dtype=torch.bfloat16)
+    assert any(isinstance(layer.mlp, LatentMoE) and layer.mlp.moe.num_shared_experts
+               for layer in model.transformer.layers)
+    step = build_step([(_prompt(6, 20), 0, 0, _table(0, 2)), (_prompt(7, 5), 0, 1, _table(2, 1))], BS)
+    caches = model.allocate_caches(4, BS, 2)
+    got = model(step, caches, decode=False)
+    summed = LatentMoE.forward
+
+    def one_term(self, x, terms=False):  # the sum made by the MoE itself, handed on as one term
+        return (summed(self, x),) if terms else summed(self, x)
+    monkeypatch.setattr(LatentMoE, "forward", one_term)
+    summed_caches = model.allocate_caches(4, BS, 2)
+    want = model(step, summed_caches, decode=False)
+    assert torch.equal(got, want)
+    _caches_equal(caches, summed_caches, rtol=0, atol=0)

@@ -152,7 +152,7 @@ def test_snapshot_rows_are_evicted_least_recently_used_first():
     for i in range(3):
         seq = make_seq(i, [20 * i + t + 3 for t in range(BS)], slot=0)
         bm.allocate(seq, BS)
-        save = pc.save(seq, BS)
+        taken = pc.take(seq, BS)
         pc.commit()
         bm.register(seq, 0, BS)
         seq.num_cached_tokens = BS
@@ -164,7 +164,7 @@ def test_snapshot_rows_are_evicted_least_recently_used_first():
             assert hit.num_tokens == BS and hit.snapshot_row == 2
             assert pc.restore(probe, hit) == (2, 1)
             bm.free(probe)
-        assert save == (0, [2, 3, 3][i])  # rows 2, 3 after the 2 slots; the third evicts row 3
+        assert taken == [(BS, [2, 3, 3][i])]  # rows 2, 3 after the 2 slots; the third evicts row 3
     assert pc.evicted_snapshots == 1 and pc.snapshots_taken == 3 and pc.snapshots_in_use == 2
     assert pc.lookup(make_seq(10, seqs[1].token_ids + [1], slot=0)) is None
     assert pc.lookup(make_seq(11, seqs[0].token_ids + [1], slot=0)).snapshot_row == 2
@@ -339,6 +339,69 @@ def test_synthetic_executor_catches_a_wrong_restore():
         engine.step()
 
 
+# -- snapshots the prefill takes mid-chunk (KDA_CHUNK-aligned points) -----------------
+
+def steps_of(engine: LLMEngine) -> list[tuple[int, bool]]:
+    """Record (tokens, phase) of every step the engine's executor runs from now on."""
+    ex, calls = engine.runner.executor, []
+    run = ex.execute
+
+    def execute(step, decode):
+        calls.append((step.num_tokens, decode))
+        return run(step, decode)
+
+    ex.execute = execute
+    return calls
+
+
+def mid_chunk_engine(prefix: bool, interval: int, max_num_tokens: int, block_size: int = 16):
+    config = EngineConfig(num_blocks=512, max_slots=4, block_size=block_size, max_batch_size=4,
+                          max_num_tokens=max_num_tokens, prefix_cache=prefix, prefix_cache_interval=interval,
+                          snapshot_slots=64)
+    ex = SyntheticExecutor(VOCAB, 512, block_size, 4, snapshot_slots=64 if prefix else 0)
+    return LLMEngine(ex, config, eos_token_ids=(EOS,))
+
+
+@pytest.mark.parametrize("interval, budget, chunks", [
+    (64, 4096, [1000]),  # every position is a chunk boundary of the prefill: one step
+    (192, 4096, [1000]),
+    (64, 300, [256, 256, 256, 232]),  # budget-cut chunks end on the 64-token grid, the next starts on it
+    (48, 4096, [48] * 20 + [40]),  # positions off the grid: each ends its chunk (the fallback)
+])
+def test_synthetic_prefill_takes_its_snapshots_mid_chunk(interval, budget, chunks):
+    """The SyntheticExecutor raises on a snapshot point the KDA prefill could not take and keeps
+    the history at each one; tokens equal the uncached run, later hits are what the hashes say."""
+    rng = random.Random(interval + budget)
+    prompt = [rng.randrange(3, VOCAB) for _ in range(1000)]
+    params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+    off, = mid_chunk_engine(False, interval, budget).generate([prompt], params)
+    engine = mid_chunk_engine(True, interval, budget)
+    calls = steps_of(engine)
+    first, = engine.generate([prompt], params)
+    assert [n for n, decode in calls if not decode] == chunks
+    assert first.output_token_ids == off.output_token_ids
+    prefix = engine.scheduler.prefix
+    assert prefix.snapshots_taken == 1000 // interval
+    assert engine.runner.executor.copies == 0  # chunk ends too: the prefill takes them (point = its length)
+    probe = prompt[:900] + [5, 6]
+    hit, = engine.generate([probe], params)
+    assert hit.cached_tokens == expected_hit(probe, [history(first)], interval) == 900 // interval * interval
+    assert hit.output_token_ids == mid_chunk_engine(False, interval, budget).generate([probe], params)[0].output_token_ids
+    check_all_released(engine)
+
+
+def test_synthetic_decode_steps_take_their_snapshots_by_copy():
+    """A position reached by a decode token: pure-decode steps copy the state row after the step
+    (the decode ops take no points); a later request restores it."""
+    engine = mid_chunk_engine(True, 64, 4096)
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    first, = engine.generate([[3 + i % 50 for i in range(60)]], params)
+    assert engine.runner.executor.copies == 1 and engine.scheduler.prefix.snapshots_taken == 1
+    probe = history(first)[:64] + [7]
+    assert engine.generate([probe], params)[0].cached_tokens == 64
+    check_all_released(engine)
+
+
 # -- the tiny K3 model, fp32 -------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -468,4 +531,34 @@ def test_engine_dir_executor_restores_snapshots_and_gives_the_uncached_tokens(tm
     for a, b in zip(on, off):
         assert [r.output_token_ids for r in a] == [r.output_token_ids for r in b]
     assert [r.cached_tokens for r in on[1]] == [2 * S, S]
+    check_all_released(engine)
+
+
+def test_tiny_k3_4k_prompt_prefills_in_one_step_and_takes_its_snapshots(model):
+    """A 4000-token prompt with the cache on (interval 128) prefills in one step, as without it,
+    and its 31 snapshots, written by the prefill op mid-chunk, restore exactly: the tokens of a
+    request on 3900 of its tokens equal the uncached run's (fp32)."""
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 1024) for _ in range(4000)]
+    probe = prompt[:3900] + [5, 6]
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+
+    def engine_for(prefix):
+        caches = K3Caches.allocate(model.config, 512, 16, 2, torch.float32, snapshot_slots=40 if prefix else 0)
+        config = EngineConfig(num_blocks=512, max_slots=2, block_size=16, max_batch_size=2, max_num_tokens=4096,
+                              prefix_cache=prefix, prefix_cache_interval=128, snapshot_slots=40)
+        return LLMEngine(TorchExecutor(model, caches, "cpu"), config, eos_token_ids=(model.config.eos_token_id,))
+
+    off = engine_for(False)
+    off_first, off_probe = (off.generate([p], params)[0] for p in (prompt, probe))
+    engine = engine_for(True)
+    calls = steps_of(engine)
+    first = engine.generate([prompt], params)[0]
+    assert [n for n, decode in calls if not decode] == [4000]
+    assert engine.scheduler.prefix.snapshots_taken == 31
+    hit = engine.generate([probe], params)[0]
+    assert hit.cached_tokens == 3840
+    assert [n for n, decode in calls if not decode] == [4000, 3902 - 3840]
+    assert first.output_token_ids == off_first.output_token_ids
+    assert hit.output_token_ids == off_probe.output_token_ids
     check_all_released(engine)

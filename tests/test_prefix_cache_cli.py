@@ -185,7 +185,10 @@ def test_engine_dir_flags_are_checked_against_its_own_block_size(engine_dir, tmp
     pbtxt = (tmp_path / "ok" / "k3" / "config.pbtxt").read_text()
     assert 'key: "prefix_cache" value: { string_value: "True" }' in pbtxt
     assert 'key: "prefix_cache_interval" value: { string_value: "16" }' in pbtxt
-    off = invoke("triton-repo", engine_dir, tmp_path / "off")  # off is the engine's default: nothing written
+    on = invoke("triton-repo", engine_dir, tmp_path / "on")  # the CLI's default (PREFIX_CACHE_DEFAULT) is on
+    assert on.exit_code == 0, on.output
+    assert 'key: "prefix_cache" value: { string_value: "True" }' in (tmp_path / "on" / "k3" / "config.pbtxt").read_text()
+    off = invoke("triton-repo", engine_dir, tmp_path / "off", "--no-prefix-cache")  # the engine's default: not written
     assert off.exit_code == 0, off.output
     assert "prefix_cache" not in (tmp_path / "off" / "k3" / "config.pbtxt").read_text()
 

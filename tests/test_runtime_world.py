@@ -108,13 +108,17 @@ def test_hf_checkpoint_sharded_at_load_is_the_converters_rank_files(preset, tp, 
             assert torch.equal(state[name].view(torch.uint8), tensor.view(torch.uint8)), name
 
 
-def test_packed_step_round_trips_every_field():
-    step = build_step([([5, 6, 7], 0, 2, [4]), ([9], 20, 0, [1, 3]), ([1, 2], 31, 5, [0, 2, 6])], 16)
+@pytest.mark.parametrize("snapshots", [None, [[(3, 1)], [], [(1, 0), (2, 4)]]], ids=["no-snapshots", "snapshots"])
+def test_packed_step_round_trips_every_field(snapshots):
+    step = build_step([([5, 6, 7], 0, 2, [4]), ([9], 20, 0, [1, 3]), ([1, 2], 31, 5, [0, 2, 6])], 16,
+                      snapshots=snapshots)
     step.logits_indices = step.logits_indices[1:]  # a prefill chunk that asks for no logits
+    assert (step.snapshot_offsets is None) == (snapshots is None)
     shapes = step_shapes(step)
     back = unpack_step(shapes, pack_step(step).clone())
     for name, value in vars(step).items():
-        assert torch.equal(getattr(back, name), value), name
+        got = getattr(back, name)
+        assert got is None if value is None else torch.equal(got, value), name
 
 
 def test_world2_checkpoint_at_other_tp_is_refused(tp2_checkpoint):

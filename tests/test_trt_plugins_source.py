@@ -24,7 +24,8 @@ def test_committed_cpp_contract_tables_match_the_contracts():
 
 def test_plugin_library_exports_a_creator_per_kernel_backed_op():
     entry = (ROOT / "plugins/trt/plugin_entry.cpp").read_text()
-    for ident in ("kKdaPrefill", "kKdaDecode", "kMlaPrefill", "kMlaDecode", "kSituMoe", "kSituMoeMxfp4"):
+    for ident in ("kKdaPrefill", "kKdaDecode", "kMlaPrefill", "kMlaDecode", "kMlaPrefillFp8", "kMlaDecodeFp8",
+                  "kSituMoe", "kSituMoeMxfp4"):
         assert f"({ident}, {ident}Kernels)" in entry
 
 

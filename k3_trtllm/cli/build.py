@@ -8,6 +8,7 @@ import click
 import torch
 
 from ._progress import stage_progress
+from .run import check_kv_cache_dtype, kv_cache_dtype_option
 from ._warnings import quiet_known_build_warnings
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -41,12 +42,18 @@ def _fail(message: str):
 @click.option("--builder", type=click.Choice(["auto", "tensorrt", "tensorrt-rtx", "none"]), default="auto",
               show_default=True, help="auto: tensorrt, else tensorrt-rtx, else ONNX only")
 @click.option("--dtype", type=click.Choice(sorted(_DTYPES)), default="bfloat16", show_default=True,
-              help="activation and cache dtype of the engine (float32 for CPU checks)")
+              help="activation dtype of the engine, and its cache's unless --kv-cache-dtype fp8 (float32 for CPU "
+                   "checks)")
+@kv_cache_dtype_option()
 @click.option("--force", is_flag=True, help="replace OUT_DIR if it exists and k3-trt build wrote it")
 @click.option("--quiet", is_flag=True, help="no progress on stderr (errors still show)")
 def build(checkpoint, out_dir, layout, hf_config, tp, ep, max_batch_size, max_num_tokens, max_seq_len, block_size,
-          plugin_lib, builder, dtype, force, quiet) -> None:
+          plugin_lib, builder, dtype, kv_cache_dtype, force, quiet) -> None:
     """Build an engine dir from a K3 checkpoint (HF or converted, world size 1)."""
+    try:
+        check_kv_cache_dtype(kv_cache_dtype, dtype)
+    except click.ClickException as e:
+        _fail(e.message)
     from ..checkpoint.hf import CheckpointError
     from ..config import ConfigError
     from ..trt.bindings import BuilderUnavailable
@@ -67,13 +74,14 @@ def build(checkpoint, out_dir, layout, hf_config, tp, ep, max_batch_size, max_nu
         with stage_progress("build", quiet) as log:
             if layout == "segments" or (layout is None and hf_config is not None):
                 _build_segments(checkpoint, out_dir, hf_config, tp, ep, limits, dtype=_DTYPES[dtype],
-                                builder=builder, plugin_lib=plugin_lib, force=force, log=log)
+                                builder=builder, plugin_lib=plugin_lib, force=force, log=log,
+                                kv_cache_dtype=kv_cache_dtype)
             else:
                 if out_dir is None or hf_config is not None or tp is not None or ep is not None:
                     raise click.UsageError("a monolithic build takes CHECKPOINT and OUT_DIR (no --hf-config, "
                                            "--tp or --ep)")
                 build_engine_dir(checkpoint, out_dir, limits, dtype=_DTYPES[dtype], builder=builder,
-                                 plugin_lib=plugin_lib, force=force, log=log)
+                                 plugin_lib=plugin_lib, force=force, log=log, kv_cache_dtype=kv_cache_dtype)
     except (CheckpointError, ConfigError, BuilderUnavailable, PlanBuildError, OutputError, ValueError,
             RuntimeError) as e:
         _fail(str(e))

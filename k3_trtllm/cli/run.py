@@ -13,19 +13,39 @@ from k3_trtllm.utils import strict_json
 from ._progress import progress_bar
 
 DTYPES = ("bfloat16", "float32")
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8")  # model/caches.py KV_CACHE_DTYPES (cli imports no torch at startup)
 # Whether --prefix-cache is on when neither it nor --no-prefix-cache is given (run, bench,
-# serve, triton-repo): off until issue 22's proofs (same tokens as without it) are in.
-PREFIX_CACHE_DEFAULT = False
+# serve, triton-repo): on since the KDA prefill writes the snapshots itself, so a miss costs
+# no extra prefill steps, and the cached tokens equal the uncached ones (issue 22's proofs).
+PREFIX_CACHE_DEFAULT = True
 PREFIX_CACHE_VALUE_FLAGS = {"prefix_cache_interval": "--prefix-cache-interval",
                             "snapshot_slots": "--prefix-cache-snapshots"}
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos"}
+
+
+def kv_cache_dtype_option():
+    """``--kv-cache-dtype``: run, bench, serve, triton-repo and build."""
+    return click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto", show_default=True,
+                        help="Latent-cache rows: auto is the activation dtype (--dtype), bf16 the same stated "
+                             "(needs bfloat16 activations), fp8 E4M3 latents with an fp32 scale per group of "
+                             "channels and bf16 rope, ~0.57x the bytes (README: fp8 latent cache). An engine dir "
+                             "keeps the one it was built with.")
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> None:
+    """``--kv-cache-dtype`` against ``--dtype`` for a checkpoint, before anything loads (the
+    rule of ``model/caches.py: is_fp8_cache``, as a one-line error naming the flags)."""
+    if kv_cache_dtype == "bf16" and dtype != "bfloat16":
+        raise click.ClickException(f"--kv-cache-dtype bf16: needs --dtype bfloat16 (the latent cache is in the "
+                                   f"activation dtype, {dtype} here); use auto or fp8")
 
 
 def engine_options(fn):
     """Options that size and shape the engine; shared with ``k3-trt bench``."""
     options = [
         click.option("--dtype", type=click.Choice(DTYPES), default="bfloat16", show_default=True,
-                     help="Activation and cache dtype."),
+                     help="Activation dtype, and the cache's unless --kv-cache-dtype fp8."),
+        kv_cache_dtype_option(),
         click.option("--device", default=None, help="Torch device [default: cuda if available, else cpu]."),
         click.option("--max-batch-size", type=click.IntRange(min=1), default=64, show_default=True,
                      help="Most sequences running at once."),
@@ -54,8 +74,9 @@ def engine_options(fn):
                           "request computed; the prompt is prefilled from there (README: Prefix caching)."),
         click.option("--prefix-cache-interval", type=click.IntRange(min=0), default=None,
                      help="With --prefix-cache: prompt tokens between KDA state snapshots, a multiple of "
-                          "--block-size; a prefix is reused up to its deepest snapshot, and a prefill step "
-                          "ends at each [default: 0, the engine's own: README, Prefix caching]."),
+                          "--block-size; a prefix is reused up to its deepest snapshot, which the prefill "
+                          "takes mid-step at multiples of 64 [default: 0, the engine's own: README, Prefix "
+                          "caching]."),
         click.option("--prefix-cache-snapshots", "snapshot_slots", type=click.IntRange(min=1), default=None,
                      help="With --prefix-cache: KDA state snapshots kept, out of the cache budget [default: a "
                           "share of --cache-memory-gb, or --max-slots when both pool counts are given; README: "
@@ -180,7 +201,8 @@ def build_engine_from_options(model_dir: str, *, dtype: str, device: str | None,
                               threads: int | None = None, tp: int | None = None, ep: int | None = None,
                               checkpoint: str | None = None, plugin_lib: str | None = None,
                               batch_invariant: bool = False, prefix_cache: bool = PREFIX_CACHE_DEFAULT,
-                              prefix_cache_interval: int | None = None, snapshot_slots: int | None = None):
+                              prefix_cache_interval: int | None = None, snapshot_slots: int | None = None,
+                              kv_cache_dtype: str = "auto"):
     import torch
 
     from k3_trtllm.runtime.distributed import RankFailure
@@ -203,7 +225,8 @@ def build_engine_from_options(model_dir: str, *, dtype: str, device: str | None,
             dtype=dtype, block_size=block_size, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
             max_seq_len=max_seq_len, num_blocks=num_blocks, max_slots=max_slots, cache_memory_gb=cache_memory_gb,
             seed=seed, tp=tp, ep=ep, checkpoint=checkpoint, plugin_lib=plugin_lib, batch_invariant=batch_invariant,
-            prefix_cache=prefix_cache, prefix_cache_interval=prefix_cache_interval, snapshot_slots=snapshot_slots))
+            prefix_cache=prefix_cache, prefix_cache_interval=prefix_cache_interval, snapshot_slots=snapshot_slots,
+            kv_cache_dtype=kv_cache_dtype))
         if engine is None:  # a torchrun rank other than 0: it served rank 0's steps
             raise click.exceptions.Exit(0)
         click.get_current_context().call_on_close(engine.close)
@@ -211,6 +234,7 @@ def build_engine_from_options(model_dir: str, *, dtype: str, device: str | None,
     if checkpoint is not None or plugin_lib is not None:
         raise click.ClickException("--checkpoint/--plugin-lib go with an engine dir from `k3-trt build`")
     check_prefix_cache(prefix_cache, prefix_cache_interval, snapshot_slots, block_size, max_seq_len)
+    check_kv_cache_dtype(kv_cache_dtype, dtype)
     if cache_memory_gb is None and (num_blocks is None or max_slots is None):
         from k3_trtllm.runtime.block_manager import DEFAULT_CACHE_MEMORY_GB
 
@@ -221,7 +245,8 @@ def build_engine_from_options(model_dir: str, *, dtype: str, device: str | None,
                               num_blocks=num_blocks,
                               max_slots=max_slots, cache_memory_gb=cache_memory_gb, seed=seed, tp=tp, ep=ep,
                               batch_invariant=batch_invariant, prefix_cache=prefix_cache,
-                              prefix_cache_interval=prefix_cache_interval, snapshot_slots=snapshot_slots)
+                              prefix_cache_interval=prefix_cache_interval, snapshot_slots=snapshot_slots,
+                              kv_cache_dtype=kv_cache_dtype)
     except RankFailure as e:  # world size > 1: a rank died, hung or lost rank 0
         raise click.ClickException(str(e)) from None
     except (ValueError, OSError, RuntimeError) as e:  # config/checkpoint errors are ValueErrors

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import click
 
-from k3_trtllm.cli.run import check_prefix_cache, engine_dir_settings, engine_options, resolve_device, threads_option
+from k3_trtllm.cli.run import (check_kv_cache_dtype, check_prefix_cache, engine_dir_settings, engine_options,
+                               resolve_device, threads_option)
 from k3_trtllm.utils.threads import child_thread_env
 
 
@@ -41,7 +42,7 @@ def _check_name(ctx, param, value):
 
 def _write_repo(model_dir, repo_dir, name, force=False, **settings) -> Path:
     from k3_trtllm.serve.repository import ENGINE_PARAMETERS, write_model_repository
-    from k3_trtllm.trt.segment_layout import engine_limits, is_segmented_engine_dir
+    from k3_trtllm.trt.segment_layout import engine_dir_kv_cache_conflict, engine_limits, is_segmented_engine_dir
     from k3_trtllm.utils.atomic import OutputError, describe_os_error
 
     segmented = is_segmented_engine_dir(model_dir)
@@ -53,8 +54,13 @@ def _write_repo(model_dir, repo_dir, name, force=False, **settings) -> Path:
     # the server would only find a bad value when it loads the model
     check_prefix_cache(settings["prefix_cache"], settings["prefix_cache_interval"], settings["snapshot_slots"],
                        limits["block_size"], limits["max_seq_len"])
-    if segmented:  # the engine's own limits unless the user gave others
+    if not segmented:
+        check_kv_cache_dtype(settings["kv_cache_dtype"], settings["dtype"])
+    else:  # the engine's own limits unless the user gave others
         engine = engine_dir_settings(model_dir, {k: v for k, v in settings.items() if k in ENGINE_PARAMETERS})
+        conflict = engine_dir_kv_cache_conflict(model_dir, engine["kv_cache_dtype"])
+        if conflict:
+            raise click.ClickException(f"cannot serve {model_dir}: {conflict}")
         if engine["max_batch_size"] is None:  # Triton's batch bound too
             engine["max_batch_size"] = engine_limits(model_dir).get("max_batch_size")
         settings = {**{k: v for k, v in settings.items() if k not in ENGINE_PARAMETERS}, **engine}

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import K3Config
-from ..model.caches import K3Caches
+from ..model.caches import K3Caches, latent_row
 from ..model.step import StepInputs
 
 # Dims named here are dynamic in the graph and get a range in every optimisation profile.
@@ -51,13 +51,21 @@ def pool_dtype(pool: str, act: torch.dtype) -> torch.dtype:
     return act
 
 
-def cache_pools(cfg: K3Config, act: torch.dtype, block_size: int) -> tuple[TensorIO, ...]:
+def latent_pool_type(cfg: K3Config, act: torch.dtype, kv_cache_dtype: str = "auto") -> tuple[torch.dtype, int]:
+    """(graph dtype, row width) of a latent pool (``model/caches.py: latent_row``): the fp8
+    cache's uint8 rows are typed INT8 in the graphs, as every contract-"uint8" tensor is
+    (``schemas.BYTES_ONNX_TYPE``, the same bytes); the executors bind the uint8 pools."""
+    dtype, width = latent_row(cfg.mla, act, kv_cache_dtype)
+    return (torch.int8 if dtype == torch.uint8 else dtype), width
+
+
+def cache_pools(cfg: K3Config, act: torch.dtype, block_size: int, kv_cache_dtype: str = "auto") -> tuple[TensorIO, ...]:
     """Pools in layer order; within a KDA layer conv before recurrent."""
     pools = []
     for layer in sorted(cfg.mla_layer_indices + cfg.kda_layer_indices):
         if layer in cfg.mla_layer_indices:
-            pools.append(TensorIO(f"latent_cache_{layer}", pool_dtype("latent", act),
-                                  (NUM_BLOCKS, block_size, cfg.mla.latent_dim), "latent", layer))
+            dtype, width = latent_pool_type(cfg, act, kv_cache_dtype)
+            pools.append(TensorIO(f"latent_cache_{layer}", dtype, (NUM_BLOCKS, block_size, width), "latent", layer))
         else:
             k = cfg.kda
             pools.append(TensorIO(f"conv_state_{layer}", pool_dtype("conv", act),
@@ -67,14 +75,16 @@ def cache_pools(cfg: K3Config, act: torch.dtype, block_size: int) -> tuple[Tenso
     return tuple(pools)
 
 
-def engine_inputs(cfg: K3Config, act: torch.dtype, block_size: int) -> tuple[TensorIO, ...]:
-    return STEP_INPUTS + cache_pools(cfg, act, block_size)
+def engine_inputs(cfg: K3Config, act: torch.dtype, block_size: int,
+                  kv_cache_dtype: str = "auto") -> tuple[TensorIO, ...]:
+    return STEP_INPUTS + cache_pools(cfg, act, block_size, kv_cache_dtype)
 
 
-def engine_outputs(cfg: K3Config, act: torch.dtype, block_size: int) -> tuple[TensorIO, ...]:
+def engine_outputs(cfg: K3Config, act: torch.dtype, block_size: int,
+                   kv_cache_dtype: str = "auto") -> tuple[TensorIO, ...]:
     logits = TensorIO("logits", torch.float64 if act == torch.float64 else torch.float32, (LOGITS, cfg.vocab_size))
     return (logits,) + tuple(TensorIO(f"{p.name}_out", p.dtype, p.shape, p.pool, p.layer)
-                             for p in cache_pools(cfg, act, block_size))
+                             for p in cache_pools(cfg, act, block_size, kv_cache_dtype))
 
 
 def pool_tensor(caches: K3Caches, pool: TensorIO) -> torch.Tensor:

@@ -18,7 +18,8 @@ import torch
 from torch.export import Dim
 
 from ..model.step import build_step
-from ..ops.contract import ALL_CONTRACTS, KDA_PREFILL, MLA_PREFILL, SITU_MOE, SITU_MOE_MXFP4
+from ..model.caches import is_fp8_cache
+from ..ops.contract import ALL_CONTRACTS, KDA_PREFILL, MLA_PREFILL, MLA_PREFILL_FP8, SITU_MOE, SITU_MOE_MXFP4
 from .engine_io import (LOGITS, MAX_BLOCKS, MAX_SLOTS, NUM_BLOCKS, SEQS, SEQS_PLUS_1, TOKENS, TensorIO,
                         engine_inputs, engine_outputs, flatten_step, pool_tensor)
 from .schemas import BYTES_CONTRACT_DTYPE, BYTES_ONNX_TYPE, DOMAIN, DOMAIN_VERSION, register_schemas
@@ -28,26 +29,28 @@ from .translations import translation_table
 OPSET = 22  # pinned: 23 turns on onnxscript fusions into Attention/RMSNormalization nodes
 
 
-def graph_plugins(cfg) -> list[str]:
+def graph_plugins(cfg, kv_cache_dtype: str = "auto", act: torch.dtype = torch.bfloat16) -> list[str]:
     """The plugins the exported graph of ``cfg`` holds, known before exporting it: the
-    prefill form of each layer's attention, and of the routed MoE where a layer has one."""
+    prefill form of each layer's attention (MLA's over the fp8 cache for ``kv_cache_dtype``
+    fp8), and of the routed MoE where a layer has one."""
+    mla = MLA_PREFILL_FP8 if is_fp8_cache(kv_cache_dtype, act) else MLA_PREFILL
     found = set()
     for layer in cfg.layers:
-        found.add((KDA_PREFILL if layer.attention == "kda" else MLA_PREFILL).plugin)
+        found.add((KDA_PREFILL if layer.attention == "kda" else mla).plugin)
         if layer.ffn == "moe":
             found.add((SITU_MOE_MXFP4 if cfg.moe.mxfp4 else SITU_MOE).plugin)
     return sorted(found)
 
 
-def _sample_inputs(model, block_size: int) -> list[torch.Tensor]:
+def _sample_inputs(model, block_size: int, kv_cache_dtype: str) -> list[torch.Tensor]:
     """A step whose dynamic sizes all differ from each other and from 0/1 (torch.export
     would otherwise specialise or unify them): 3 sequences, 7 tokens, 2 logits rows,
     tables of 5 blocks, 11 pool blocks, 6 state slots."""
     seqs = [([1, 1, 1], 0, 0, [0, 1, 2, 3, 4]), ([1, 1], 4, 1, [5, 6]), ([1, 1], 0, 2, [7])]
     step = build_step(seqs, block_size)
     step.logits_indices = step.logits_indices[1:]
-    caches = model.allocate_caches(num_blocks=11, block_size=block_size, max_slots=6)
-    pools = [t for t in engine_inputs(model.config, model.dtype, block_size) if t.pool]
+    caches = model.allocate_caches(num_blocks=11, block_size=block_size, max_slots=6, kv_cache_dtype=kv_cache_dtype)
+    pools = [t for t in engine_inputs(model.config, model.dtype, block_size, kv_cache_dtype) if t.pool]
     return flatten_step(step) + [pool_tensor(caches, p) for p in pools]
 
 
@@ -96,16 +99,41 @@ def _retype_byte_weights(ir_model) -> None:
             value.type = ir.TensorType(byte_type)
 
 
-def export_step_onnx(model, path: str | Path, block_size: int, log=None) -> Path:
-    """Export ``model`` to ``path`` (+ ``path.data`` external weights); returns ``path``."""
+def _retype_byte_graph_io(ir_model) -> None:
+    """Graph inputs feeding contract-"uint8" plugin inputs (weights of a weightless graph, the
+    fp8 latent pools) and graph outputs that plugins write as bytes (the updated fp8 pools)
+    become INT8, the same bytes (``schemas.BYTES_ONNX_TYPE``), as the plugin schemas require."""
+    slots = _bytes_slots()
+    byte_type = ir.DataType(BYTES_ONNX_TYPE)
+    for value in ir_model.graph.inputs:
+        if value.dtype != ir.DataType.UINT8 or value.is_initializer():  # weights: _retype_byte_weights
+            continue
+        users = [(u.node.domain, u.node.op_type, u.idx) for u in value.uses()]
+        if not users or any(d != DOMAIN or idx not in slots.get(op, ()) for d, op, idx in users):
+            raise ValueError(f"{value.name}: a uint8 input must feed plugin byte inputs only, feeds {users}")
+        value.type = ir.TensorType(byte_type)
+    for value in ir_model.graph.outputs:
+        if value.dtype != ir.DataType.UINT8:
+            continue
+        node = value.producer()
+        if node is None or node.domain != DOMAIN:
+            raise ValueError(f"{value.name}: a uint8 output must be written by a plugin, comes from "
+                             f"{'a graph input' if node is None else node.op_type}")
+        value.type = ir.TensorType(byte_type)
+
+
+def export_step_onnx(model, path: str | Path, block_size: int, log=None, kv_cache_dtype: str = "auto") -> Path:
+    """Export ``model`` to ``path`` (+ ``path.data`` external weights); returns ``path``.
+    ``kv_cache_dtype`` fp8: the latent pools are the fp8 rows and the MLA nodes their ops."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     register_schemas()
     path = Path(path)
     cfg, act = model.config, model.dtype
-    inputs, outputs = engine_inputs(cfg, act, block_size), engine_outputs(cfg, act, block_size)
+    inputs = engine_inputs(cfg, act, block_size, kv_cache_dtype)
+    outputs = engine_outputs(cfg, act, block_size, kv_cache_dtype)
     # the prefill forms serve both profiles (module doc): the phase is fixed here, at export
     graph = StepGraph(model, tuple(t for t in inputs if t.pool), block_size, decode=False).eval()
-    args = tuple(_sample_inputs(model, block_size))
+    args = tuple(_sample_inputs(model, block_size, kv_cache_dtype))
     log(f"export: tracing {cfg.num_hidden_layers} layers ({len(inputs)} inputs, {len(outputs)} outputs)")
     with torch.no_grad():
         program = torch.onnx.export(
@@ -115,6 +143,7 @@ def export_step_onnx(model, path: str | Path, block_size: int, log=None) -> Path
             verbose=False,
         )
     _strip_metadata(program.model)
+    _retype_byte_graph_io(program.model)  # first: the weights' retype takes INT8 graph inputs for done
     _retype_byte_weights(program.model)
     program.model.opset_imports[DOMAIN] = DOMAIN_VERSION
     path.parent.mkdir(parents=True, exist_ok=True)

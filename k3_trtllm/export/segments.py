@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
-import onnx_ir as ir
 import torch
 from torch import nn
 from torch.export import Dim
@@ -53,9 +52,10 @@ from ..ops import contract as C
 from ..ops.common import compute_dtype, rms_norm
 from ..ops.moe.naive import SCORING
 from ..ops.registry import call
-from .engine_io import LOGITS, MAX_BLOCKS, MAX_SLOTS, NUM_BLOCKS, SEQS, SEQS_PLUS_1, TOKENS, pool_dtype
-from .exporter import OPSET, _bytes_slots, _strip_metadata
-from .schemas import BYTES_ONNX_TYPE, DOMAIN, DOMAIN_VERSION, register_schemas
+from .engine_io import (LOGITS, MAX_BLOCKS, MAX_SLOTS, NUM_BLOCKS, SEQS, SEQS_PLUS_1, TOKENS, latent_pool_type,
+                        pool_dtype)
+from .exporter import OPSET, _retype_byte_graph_io, _strip_metadata
+from .schemas import DOMAIN, DOMAIN_VERSION, register_schemas
 from .translations import translation_table
 
 ATTN_BLOCKS = "num_attn_res_blocks"
@@ -342,9 +342,10 @@ class SegmentPlan:
     """Every segment kind of ``cfg`` under ``world`` in activation dtype ``act``, with the
     modules to export and the checkpoint tensor of every weight input of every layer."""
 
-    def __init__(self, cfg: K3Config, world: World, act: torch.dtype, block_size: int):
+    def __init__(self, cfg: K3Config, world: World, act: torch.dtype, block_size: int, kv_cache_dtype: str = "auto"):
         world.validate(cfg)
         self.cfg, self.world, self.act, self.block_size = cfg, world, act, block_size
+        self.kv_cache_dtype = kv_cache_dtype  # the latent rows (model/caches.py); fp8: the MLA nodes' _fp8 ops
         self.attn_res_on = bool(cfg.attn_res_block_size)
         self.model = rank_model(cfg, world)
         self.layers = tuple(LayerSegments(p.index, f"{p.attention}_attention",
@@ -445,8 +446,8 @@ class SegmentPlan:
     def _add_mla_attention(self, layer) -> None:
         cfg, act = self.cfg, self.act
         i32 = torch.int32
-        pools = [self._io("latent_cache", pool_dtype("latent", act), (NUM_BLOCKS, self.block_size, cfg.mla.latent_dim),
-                          "pool")]
+        dtype, width = latent_pool_type(cfg, act, self.kv_cache_dtype)
+        pools = [self._io("latent_cache", dtype, (NUM_BLOCKS, self.block_size, width), "pool")]
         names = [("cu_seqlens", (SEQS_PLUS_1,)), ("context_lens", (SEQS,)), ("block_tables", (SEQS, MAX_BLOCKS)),
                  ("slot_mapping", (TOKENS,))]
         if not cfg.mla.use_nope:
@@ -528,20 +529,6 @@ def _sample(t: SegmentIO) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-def _retype_byte_inputs(ir_model) -> None:
-    """Graph inputs feeding contract-"uint8" plugin inputs become INT8 (same bytes; see
-    ``schemas.BYTES_ONNX_TYPE``), as ``exporter._retype_byte_weights`` does for initializers."""
-    slots = _bytes_slots()
-    byte_type = ir.DataType(BYTES_ONNX_TYPE)
-    for value in ir_model.graph.inputs:
-        if value.dtype != ir.DataType.UINT8:
-            continue
-        users = [(u.node.domain, u.node.op_type, u.idx) for u in value.uses()]
-        if not users or any(d != DOMAIN or idx not in slots.get(op, ()) for d, op, idx in users):
-            raise ValueError(f"{value.name}: a uint8 input must feed plugin byte inputs only, feeds {users}")
-        value.type = ir.TensorType(byte_type)
-
-
 def export_segment(plan: SegmentPlan, kind: str, path: str | Path) -> Path:
     """One kind's graph to ``path`` (weightless: no external data)."""
     register_schemas()
@@ -557,7 +544,7 @@ def export_segment(plan: SegmentPlan, kind: str, path: str | Path) -> Path:
             input_names=[t.name for t in spec.inputs], output_names=[t.name for t in spec.outputs],
             dynamic_shapes=(dynamic,), custom_translation_table=translation_table(), verbose=False)
     _strip_metadata(program.model)
-    _retype_byte_inputs(program.model)
+    _retype_byte_graph_io(program.model)
     program.model.opset_imports[DOMAIN] = DOMAIN_VERSION
     names = [v.name for v in program.model.graph.inputs]
     if names != [t.name for t in spec.inputs]:

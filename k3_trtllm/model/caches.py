@@ -6,19 +6,54 @@ tensor parallelism (``tp_size``) a rank holds its KDA heads' states and the whol
 The prefix cache adds a snapshot pool per KDA layer (``snapshot_conv`` / ``snapshot_recurrent``,
 rows shaped like the state rows); ``copy_states`` copies rows within one namespace: rows
 ``[0, max_slots)`` are the state pools the steps bind, ``[max_slots, max_slots + snapshot_slots)``
-the snapshot pools. They are separate tensors so that the step pools keep their shapes."""
+the snapshot pools. They are separate tensors so that the step pools keep their shapes.
+
+``kv_cache_dtype`` (``--kv-cache-dtype``) picks the latent rows: ``auto`` (the activation
+dtype: bf16 in production, fp32/fp64 in reference runs), ``bf16`` (the same, stated: needs
+bf16 activations), or ``fp8``: one uint8 row of ``fp8_cache.row_bytes`` per token (E4M3
+latents, an fp32 scale per ``scale_group_for(R)`` channels, bf16 rope; the layout is
+``ops/mla/fp8_cache.py`` and contract ``MLA_*_FP8``), 0.57x the bytes of a bf16 row for K3."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
 
-from ..config import K3Config
+from ..config import K3Config, MlaConfig
+from ..ops.mla import fp8_cache
+
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
 
 
 def _state_dtype(act: torch.dtype) -> torch.dtype:
     # The delta-rule state is fp32 in production (spec §7.2); fp64 runs keep fp64 throughout.
     return torch.float64 if act == torch.float64 else torch.float32
+
+
+def is_fp8_cache(kv_cache_dtype: str, act: torch.dtype) -> bool:
+    """Whether ``kv_cache_dtype`` means fp8 latent rows; ValueError naming the value when it
+    is none of KV_CACHE_DTYPES or asks for a bf16 cache beside other activations (the MLA
+    contract reads the latents in the activation dtype)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
+    if kv_cache_dtype == "bf16" and act != torch.bfloat16:
+        raise ValueError(f"kv_cache_dtype bf16: the activations are {str(act).removeprefix('torch.')} and the "
+                         "latent cache is in their dtype; use auto (the activation dtype) or fp8")
+    return kv_cache_dtype == "fp8"
+
+
+def latent_row(mla: MlaConfig, act: torch.dtype, kv_cache_dtype: str = "auto") -> tuple[torch.dtype, int]:
+    """(dtype, last dim) of a latent pool: ``[R+Dr]`` activations, or ``row_bytes`` uint8
+    (contract ``MLA_*_FP8``: ``R+4*R/Q+2*Dr``) for the fp8 cache."""
+    if is_fp8_cache(kv_cache_dtype, act):
+        R = mla.kv_lora_rank
+        return torch.uint8, fp8_cache.row_bytes(R, mla.qk_rope_head_dim, fp8_cache.scale_group_for(R))
+    return act, mla.latent_dim
+
+
+def kv_cache_label(kv_cache_dtype: str, act: torch.dtype) -> str:
+    """What the latent rows hold, for configs and reports: ``fp8`` or the activation dtype's name."""
+    return "fp8" if is_fp8_cache(kv_cache_dtype, act) else str(act).removeprefix("torch.")
 
 
 @dataclass
@@ -33,10 +68,12 @@ class K3Caches:
     @staticmethod
     def allocate(cfg: K3Config, num_blocks: int, block_size: int, max_slots: int,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                 tp_size: int = 1, snapshot_slots: int = 0) -> "K3Caches":
+                 tp_size: int = 1, snapshot_slots: int = 0, kv_cache_dtype: str = "auto") -> "K3Caches":
         latent, conv, rec = {}, {}, {}
+        if cfg.mla is not None:
+            row_dtype, row = latent_row(cfg.mla, dtype, kv_cache_dtype)
         for i in cfg.mla_layer_indices:
-            latent[i] = torch.zeros(num_blocks, block_size, cfg.mla.latent_dim, dtype=dtype, device=device)
+            latent[i] = torch.zeros(num_blocks, block_size, row, dtype=row_dtype, device=device)
         if cfg.kda is not None:
             k, heads = cfg.kda, cfg.kda.num_heads // tp_size
             for i in cfg.kda_layer_indices:
@@ -87,9 +124,12 @@ class K3Caches:
                     pools[to_snap].index_copy_(0, d, values)
 
     @staticmethod
-    def bytes_per_block(cfg: K3Config, block_size: int, dtype: torch.dtype = torch.bfloat16) -> int:
-        item = torch.empty((), dtype=dtype).element_size()
-        return len(cfg.mla_layer_indices) * block_size * cfg.mla.latent_dim * item if cfg.mla else 0
+    def bytes_per_block(cfg: K3Config, block_size: int, dtype: torch.dtype = torch.bfloat16,
+                        kv_cache_dtype: str = "auto") -> int:
+        if not cfg.mla:
+            return 0
+        row_dtype, row = latent_row(cfg.mla, dtype, kv_cache_dtype)
+        return len(cfg.mla_layer_indices) * block_size * row * torch.empty((), dtype=row_dtype).element_size()
 
     @staticmethod
     def bytes_per_slot(cfg: K3Config, dtype: torch.dtype = torch.bfloat16, tp_size: int = 1) -> int:

@@ -16,10 +16,11 @@ from ..config import K3Config
 from ..ops import norm
 from ..ops.batch_invariant import batch_invariant
 from ..ops.common import compute_dtype
+from ..ops.linear import linear_fp32
 from .caches import K3Caches
 from .layers import GatedMLP, KdaAttention, LatentMoE, MlaAttention, Weights, _w
 from .parallel import Parallel, embed, gather_columns
-from .step import StepInputs
+from .step import StepInputs, with_snapshot_tensors
 
 
 @functools.cache
@@ -39,10 +40,16 @@ def head_logits(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     CUDA: one bf16 GEMM with fp32 accumulation and output, the weight read as stored (upcasting
     it would write vocab x hidden fp32 values every step). Elsewhere, and in the batch-invariant
     mode (whose fixed-shape GEMMs replace ``aten::mm``, not its ``out_dtype`` form), both
-    operands are upcast (exactly) and multiplied in the compute dtype."""
+    operands are upcast (exactly) and multiplied in the compute dtype. A batch-1 decode step's row
+    takes the skinny kernel with fp32 output (``ops/linear``: one launch, not cuBLAS's split-K
+    GEMM and its reduce)."""
     if (y.is_cuda and y.dtype == weight.dtype == torch.bfloat16 and not torch.compiler.is_exporting()
-            and not batch_invariant() and _mm_out_dtype_runs(y.device.type)):
-        return torch.mm(y, weight.T, out_dtype=torch.float32)
+            and not batch_invariant()):
+        logits = linear_fp32(y, weight)
+        if logits is not None:
+            return logits
+        if _mm_out_dtype_runs(y.device.type):
+            return torch.mm(y, weight.T, out_dtype=torch.float32)
     cd = compute_dtype(y.dtype)
     return y.to(cd) @ weight.to(cd).T
 
@@ -86,15 +93,19 @@ class K3ForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.transformer.ln_f.weight.dtype
 
-    def allocate_caches(self, num_blocks: int, block_size: int, max_slots: int) -> K3Caches:
+    def allocate_caches(self, num_blocks: int, block_size: int, max_slots: int,
+                        kv_cache_dtype: str = "auto") -> K3Caches:
         return K3Caches.allocate(self.config, num_blocks, block_size, max_slots, self.dtype,
-                                 self.transformer.ln_f.weight.device, self.parallel.tp_size)
+                                 self.transformer.ln_f.weight.device, self.parallel.tp_size,
+                                 kv_cache_dtype=kv_cache_dtype)
 
     def forward(self, step: StepInputs, caches: K3Caches, decode: bool) -> torch.Tensor:
         """Logits (fp32) of the tokens at ``step.logits_indices``; caches updated in place.
         ``decode`` picks the op forms: the step's phase, decided on the host by whoever built
         the step (``model/step.py: is_pure_decode``), never read off its tensors (a device sync)."""
         cfg, tr = self.config, self.transformer
+        if cfg.kda is not None:
+            step = with_snapshot_tensors(step)
         x = embed(step.input_ids.long(), tr.vocab_embedding.weight, self.parallel)
         if cfg.attn_res_block_size:
             y = self._attn_res_stream(x, step, caches, decode)
@@ -118,7 +129,7 @@ class K3ForCausalLM(nn.Module):
                                                     layer.attn_res.attention_query, eps,
                                                     layer.input_layernorm.weight, eps)
             else:
-                partial = partial if pending is None else partial + pending
+                partial = norm.partial_sum(partial, pending)
                 h = norm.rms_norm(partial, layer.input_layernorm.weight, eps)
             if plan.block_write:
                 blocks.append(partial)
@@ -126,7 +137,7 @@ class K3ForCausalLM(nn.Module):
             a = layer.attention(h, step, caches, decode)
             m, partial = norm.attn_res_mix_norm(blocks[: plan.mlp_sources] + [partial], a, layer.attn_res.mlp_query,
                                                 eps, layer.post_layernorm.weight, eps)
-            pending = layer.mlp(m)
+            pending = layer.mlp(m, terms=True)  # the next mix adds the terms (MoE: routed + shared)
         return norm.attn_res_final_norm(blocks + [partial], pending, self.transformer.attn_res_out.query, eps,
                                         step.logits_indices, self.transformer.ln_f.weight, eps)
 

@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn.functional import linear
 
 from ..config import K3Config
 from ..ops import contract as C
+from ..ops.mla import fp8_cache
+from ..ops.linear import linear  # torch's linear, or one skinny kernel for few-token bf16 calls
 from ..ops.norm import gated_rms_norm, glu, rms_norm, sigmoid_gate
 from ..ops.moe.naive import SCORING
 from ..ops.registry import call
 from .caches import K3Caches
 from .parallel import Parallel, all_reduce
-from .step import StepInputs
+from .step import StepInputs, with_snapshot_tensors
 
 # vLLM hard-codes the KDA output-norm eps (spec §4.5.8); it equals K3's rms_norm_eps.
 KDA_O_NORM_EPS = 1e-5
@@ -62,11 +63,24 @@ class KdaAttention(nn.Module):
         op = C.KDA_DECODE if decode else C.KDA_PREFILL
         o = call(op, qkv.contiguous(), gate, beta.contiguous(), self.conv1d.weight, self.A_log, self.dt_bias,
                  step.cu_seqlens, step.state_slots, step.has_initial_state,
-                 caches.conv[self.layer], caches.recurrent[self.layer],
+                 caches.conv[self.layer], caches.recurrent[self.layer], *self._snapshots(step, caches),
                  self.num_heads, self.k.head_dim, self.k.lower_bound or 0.0)
         T, H, Dk = x.shape[0], self.num_heads, self.k.head_dim
         y = gated_rms_norm(o.view(T, H, Dk), self.o_norm.weight, out_gate.reshape(T, H, Dk), KDA_O_NORM_EPS)
         return all_reduce(linear(y.reshape(T, H * Dk), self.dense.weight), self.par)
+
+
+    def _snapshots(self, step: StepInputs, caches: K3Caches) -> tuple[torch.Tensor, ...]:
+        """The op's snapshot inputs: the step's points and this layer's snapshot pools. A step
+        that takes none (decode, no prefix cache, exported graphs) passes -1 points, and pools
+        without a snapshot pool bound (exports) a one-row stand-in that is never written."""
+        step = with_snapshot_tensors(step)  # K3ForCausalLM did it already; exported segments did not
+        conv, rec = caches.snapshot_conv.get(self.layer), caches.snapshot_recurrent.get(self.layer)
+        if conv is None:
+            state_conv, state_rec = caches.conv[self.layer], caches.recurrent[self.layer]
+            conv = state_conv.new_zeros((1, *state_conv.shape[1:]))
+            rec = state_rec.new_zeros((1, *state_rec.shape[1:]))
+        return step.snapshot_offsets, step.snapshot_rows, conv, rec
 
 
 def rotate_interleaved(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -115,11 +129,17 @@ class MlaAttention(nn.Module):
             q = torch.cat((q[..., : m.qk_nope_head_dim], q_pe), -1)
             k_pe = rotate_interleaved(k_pe, step.positions, m.rope_theta)
         latent = torch.cat((rms_norm(c_kv, self.kv_a_layernorm.weight, self.eps), k_pe), -1)
-        op = C.MLA_DECODE if decode else C.MLA_PREFILL
+        pool = caches.latent[self.layer]
+        # a uint8 pool holds fp8 rows (caches.py: kv_cache_dtype fp8): the _fp8 ops, one more attribute
+        if pool.dtype == torch.uint8:
+            op = C.MLA_DECODE_FP8 if decode else C.MLA_PREFILL_FP8
+            extra = (fp8_cache.scale_group_for(m.kv_lora_rank),)
+        else:
+            op, extra = (C.MLA_DECODE if decode else C.MLA_PREFILL), ()
         o = call(op, q.contiguous(), latent, self.w_uk, self.w_uv, step.cu_seqlens, step.context_lens,
-                 step.block_tables, step.slot_mapping, caches.latent[self.layer],
+                 step.block_tables, step.slot_mapping, pool,
                  self.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim,
-                 m.softmax_scale)
+                 m.softmax_scale, *extra)
         if m.use_output_gate:
             o = sigmoid_gate(o, out_gate)
         return all_reduce(linear(o, self.dense.weight), self.par)
@@ -137,9 +157,11 @@ class GatedMLP(nn.Module):
         self.fc = Weights(weight=_w((2 * inter, d)))
         self.proj = Weights(weight=_w((d, inter)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, terms: bool = False) -> torch.Tensor | tuple[torch.Tensor]:
+        """The MLP's output; with ``terms`` as a 1-tuple, the form ``LatentMoE`` returns its sum in."""
         g, u = linear(x, self.fc.weight).split(self.inter, -1)
-        return all_reduce(linear(glu(g, u, self.act, self.beta, self.lin), self.proj.weight), self.par)
+        y = all_reduce(linear(glu(g, u, self.act, self.beta, self.lin), self.proj.weight), self.par)
+        return (y,) if terms else y
 
 
 class LatentMoE(nn.Module):
@@ -168,7 +190,8 @@ class LatentMoE(nn.Module):
             self.experts.w2 = Weights(weight=_w((El, lat, inter)))
         self.expert_offset = par.moe_ep_rank * El  # first global expert held here
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output, all-reduced and brought back up from the latent."""
         moe, cfg = self.moe, self.cfg
         z = linear(x, self.latent_down.weight) if moe.latent_size else x
         attrs = (moe.num_experts, moe.top_k, moe.num_expert_group, moe.topk_group, self.expert_offset,
@@ -188,6 +211,15 @@ class LatentMoE(nn.Module):
             if moe.latent_norm:
                 r = rms_norm(r, self.latent_norm.weight, cfg.rms_norm_eps)
             r = linear(r, self.latent_up.weight)
-        if moe.num_shared_experts:
-            r = r + self.shared_experts(x)
         return r
+
+    def forward(self, x: torch.Tensor, terms: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The routed experts' output plus the shared experts' (when the config has them). With
+        ``terms``, the two unsummed, routed first, for the AttnRes mix that consumes them to add
+        in the same order and dtype (``ops/norm``: on CUDA inside its kernel, one launch fewer
+        per layer)."""
+        r = self._routed(x)
+        if not self.moe.num_shared_experts:
+            return (r,) if terms else r
+        shared = self.shared_experts(x)
+        return (r, shared) if terms else r + shared

@@ -11,7 +11,7 @@ would be a device sync.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -27,6 +27,10 @@ class StepInputs:
     slot_mapping: torch.Tensor  # [T] latent-cache slot (block*block_size+offset) of each token
     state_slots: torch.Tensor  # [B] KDA conv/recurrent state row of each sequence
     has_initial_state: torch.Tensor  # [B] 1 where the KDA state row holds earlier tokens
+    # prefix-cache KDA snapshots the prefill writes (contract KDA_PREFILL): [B, N] points (tokens of
+    # the sequence's new tokens, -1: none) and their snapshot-pool rows; None: the step takes none
+    snapshot_offsets: torch.Tensor | None = None
+    snapshot_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -37,7 +41,16 @@ class StepInputs:
         return int(self.cu_seqlens.shape[0]) - 1
 
     def to(self, device: torch.device | str) -> "StepInputs":
-        return StepInputs(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return StepInputs(**{f.name: t if (t := getattr(self, f.name)) is None else t.to(device) for f in fields(self)})
+
+
+def with_snapshot_tensors(step: StepInputs) -> StepInputs:
+    """``step`` with its absent snapshot fields made explicit: one -1 column (no points). The
+    KDA ops take them in every step; the model fills them once per step, not per layer."""
+    if step.snapshot_offsets is not None:
+        return step
+    offsets = torch.full_like(step.state_slots, -1).unsqueeze(1)
+    return replace(step, snapshot_offsets=offsets, snapshot_rows=torch.zeros_like(offsets))
 
 
 def is_pure_decode(seqs: list[tuple[list[int], int, int, list[int]]]) -> bool:
@@ -52,11 +65,14 @@ def build_step(
     seqs: list[tuple[list[int], int, int, list[int]]],
     block_size: int,
     logits_all: bool = False,
+    snapshots: list[list[tuple[int, int]]] | None = None,
 ) -> StepInputs:
     """Build a step from ``(new_token_ids, context_len, state_slot, block_table)`` per
     sequence. Positions continue from ``context_len``; ``has_initial_state`` is set
     where ``context_len > 0``. With ``logits_all`` every token's logits are requested
-    (T rows instead of B), which tests use to compare whole prefills."""
+    (T rows instead of B), which tests use to compare whole prefills. ``snapshots``: per
+    sequence, the ``(offset, snapshot-pool row)`` KDA snapshots its prefill takes (any
+    empty: the step carries no snapshot tensors when all are)."""
     ids, pos, cu, ctx, slots, slotmap, last = [], [], [0], [], [], [], []
     max_blocks = max(1, max(len(s[3]) for s in seqs))
     tables = []
@@ -76,6 +92,16 @@ def build_step(
         last.append(len(ids) - 1)
         tables.append(list(table) + [0] * (max_blocks - len(table)))
     i32 = torch.int32
+    offsets = rows = None
+    if snapshots and any(snapshots):
+        if len(snapshots) != len(seqs):
+            raise ValueError(f"snapshots for {len(snapshots)} sequences in a step of {len(seqs)}")
+        width = max(len(s) for s in snapshots)
+        offsets = torch.full((len(seqs), width), -1, dtype=i32)
+        rows = torch.zeros(len(seqs), width, dtype=i32)
+        for b, points in enumerate(snapshots):
+            for i, (offset, row) in enumerate(points):
+                offsets[b, i], rows[b, i] = offset, row
     return StepInputs(
         input_ids=torch.tensor(ids, dtype=i32),
         positions=torch.tensor(pos, dtype=i32),
@@ -86,25 +112,30 @@ def build_step(
         slot_mapping=torch.tensor(slotmap, dtype=i32),
         state_slots=torch.tensor(slots, dtype=i32),
         has_initial_state=torch.tensor([1 if c > 0 else 0 for c in ctx], dtype=i32),
+        snapshot_offsets=offsets,
+        snapshot_rows=rows,
     )
 
 
 # The step as one int32 tensor, for broadcasting it to the other ranks (runtime/distributed.py):
 # the fields in StepInputs' declaration order, flattened and concatenated; ``step_shapes`` is
-# what the receiver needs to cut it apart again (two dims per field: every field is 1-d or 2-d).
+# what the receiver needs to cut it apart again (two dims per field: every field is 1-d or 2-d;
+# an absent one, None, is [0, 0], which no present field has).
 PACKED_SHAPE_LEN = 2 * len(fields(StepInputs))
 
 
 def step_shapes(step: StepInputs) -> list[int]:
     shapes = []
     for f in fields(StepInputs):
-        shape = tuple(getattr(step, f.name).shape)
+        t = getattr(step, f.name)
+        shape = (0, 0) if t is None else tuple(t.shape)
         shapes += [shape[0], shape[1] if len(shape) == 2 else -1]
     return shapes
 
 
 def pack_step(step: StepInputs) -> torch.Tensor:
-    return torch.cat([getattr(step, f.name).reshape(-1).to(torch.int32) for f in fields(StepInputs)])
+    return torch.cat([t.reshape(-1).to(torch.int32) for f in fields(StepInputs)
+                      if (t := getattr(step, f.name)) is not None])
 
 
 def packed_numel(shapes: list[int]) -> int:
@@ -115,6 +146,9 @@ def unpack_step(shapes: list[int], packed: torch.Tensor) -> StepInputs:
     """The inverse of ``pack_step`` (views into ``packed``)."""
     out, at = {}, 0
     for f, a, b in zip(fields(StepInputs), shapes[0::2], shapes[1::2]):
+        if (a, b) == (0, 0):
+            out[f.name] = None
+            continue
         n = a * (b if b >= 0 else 1)
         out[f.name] = packed[at: at + n].view(a, b) if b >= 0 else packed[at: at + n]
         at += n

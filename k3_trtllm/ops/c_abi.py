@@ -23,12 +23,13 @@ from fractions import Fraction
 from functools import cached_property
 
 from .contract import _compile as compile_dim
-from .contract import (KDA_DECODE, KDA_PREFILL, MLA_DECODE, MLA_PREFILL, SITU_MOE, SITU_MOE_MXFP4, AttrSpec,
-                       OpContract, TensorSpec)
+from .contract import (KDA_DECODE, KDA_PREFILL, MLA_DECODE, MLA_DECODE_FP8, MLA_PREFILL, MLA_PREFILL_FP8, SITU_MOE,
+                       SITU_MOE_MXFP4, AttrSpec, OpContract, TensorSpec)
 
 # C field name of each contract dim a launcher reads (the contract's symbols are terse).
 DIM_FIELDS = {"T": "num_tokens", "B": "num_seqs", "W": "conv_width", "max_blocks": "max_blocks",
-              "block_size": "block_size", "D": "hidden", "L": "latent", "I": "inter", "El": "num_local_experts"}
+              "block_size": "block_size", "D": "hidden", "L": "latent", "I": "inter", "El": "num_local_experts",
+              "N": "snapshot_width", "Ns": "snapshot_slots"}
 
 _C_POINTER = {"act": "void", "fp32": "float", "int32": "int", "uint8": "uint8_t"}
 _C_SCALAR = {"int": ("int", ctypes.c_int), "float": ("float", ctypes.c_float)}
@@ -137,30 +138,37 @@ class NativeParams:
     def _dim_sources(self) -> tuple[DimSource, ...]:  # fill runs on every op call
         return tuple(dim_source(self.contract, s) for s in self.dims)
 
+    @cached_property
+    def _fill_plan(self) -> tuple:
+        """What ``fill`` reads per call, in field order: counts, each dim as (input, axis, mul,
+        div, offset), each attribute's converter, the extras' names (fill runs on every op call)."""
+        c = self.contract
+        dims = tuple((d.input, d.dim, d.mul, d.div, d.offset) for d in self.dim_sources())
+        kinds = tuple(float if a.kind == "float" else int for a in c.attrs)
+        return len(c.inputs), len(c.outputs), len(c.attrs), dims, kinds, tuple(a.name for a in self.extras)
+
     def fill(self, inputs, outputs, attrs, workspace=None, workspace_bytes: int = 0, **extras) -> ctypes.Structure:
         """The struct of one call: ``inputs`` / ``outputs`` tensors in contract order (pools
         are updated in place through their input), ``attrs`` in contract order, ``workspace``
-        a tensor or None, ``extras`` by name (0 when not given)."""
-        c = self.contract
-        if len(inputs) != len(c.inputs) or len(outputs) != len(c.outputs) or len(attrs) != len(c.attrs):
-            raise ValueError(f"{self.name}: {len(c.inputs)} inputs, {len(c.outputs)} outputs and "
-                             f"{len(c.attrs)} attributes expected, got {len(inputs)}, {len(outputs)}, {len(attrs)}")
-        unknown = set(extras) - {a.name for a in self.extras}
-        if unknown:
-            raise ValueError(f"{self.name}: no field {sorted(unknown)[0]}")
-        p = self.structure()
-        for t, spec in zip((*inputs, *outputs), (*c.inputs, *c.outputs)):
-            setattr(p, spec.name, t.data_ptr())
-        p.workspace = workspace.data_ptr() if workspace is not None else None
+        a tensor or None, ``extras`` by name (0 when not given). The values are gathered in
+        field order and passed to the constructor at once (one setattr per field costs more)."""
+        n_in, n_out, n_attr, dims, kinds, extra_names = self._fill_plan
+        if len(inputs) != n_in or len(outputs) != n_out or len(attrs) != n_attr:
+            raise ValueError(f"{self.name}: {n_in} inputs, {n_out} outputs and {n_attr} attributes expected, "
+                             f"got {len(inputs)}, {len(outputs)}, {len(attrs)}")
+        if extras:
+            unknown = set(extras) - set(extra_names)
+            if unknown:
+                raise ValueError(f"{self.name}: no field {sorted(unknown)[0]}")
+        values = [t.data_ptr() for t in inputs]
+        values += [t.data_ptr() for t in outputs]
+        values.append(workspace.data_ptr() if workspace is not None else None)
         if self.workspace_bytes:
-            p.workspace_bytes = workspace_bytes
-        for src in self.dim_sources():
-            setattr(p, DIM_FIELDS[src.symbol], src.value(inputs[src.input].shape[src.dim]))
-        for a, v in zip(c.attrs, attrs):
-            setattr(p, a.name, float(v) if a.kind == "float" else int(v))
-        for a in self.extras:
-            setattr(p, a.name, extras.get(a.name, 0))
-        return p
+            values.append(workspace_bytes)
+        values += [(inputs[i].shape[axis] - offset) * mul // div for i, axis, mul, div, offset in dims]
+        values += [kind(v) for kind, v in zip(kinds, attrs)]
+        values += [extras.get(name, 0) for name in extra_names]
+        return self.structure(*values)
 
     def c_struct(self) -> str:
         fields = self.fields()
@@ -179,19 +187,23 @@ def _pointer(t: TensorSpec, mutable: bool) -> Field:
 
 
 # What the launchers need beyond the contract, by struct: the one place it is stated.
+_KEY_CHUNK = AttrSpec("key_chunk", "int", "keys per pass of k3_mla_prefill_expanded[_fp8] (0: the default cap); "
+                    "the other launchers ignore it")
 EXTRAS = {
-    "K3MlaParams": (AttrSpec("key_chunk", "int", "keys per pass of k3_mla_prefill_expanded (0: the default cap); "
-                             "the other launchers ignore it"),),
+    "K3MlaParams": (_KEY_CHUNK,),
+    "K3MlaFp8Params": (_KEY_CHUNK,),
 }
 
 PARAMS: tuple[NativeParams, ...] = (
-    NativeParams("K3KdaParams", (KDA_PREFILL, KDA_DECODE), ("T", "B", "W"), workspace_bytes=False),
+    NativeParams("K3KdaParams", (KDA_PREFILL, KDA_DECODE), ("T", "B", "W", "N", "Ns"), workspace_bytes=False),
     NativeParams("K3MlaParams", (MLA_PREFILL, MLA_DECODE), ("T", "B", "max_blocks", "block_size"),
+                 workspace_bytes=True),
+    NativeParams("K3MlaFp8Params", (MLA_PREFILL_FP8, MLA_DECODE_FP8), ("T", "B", "max_blocks", "block_size"),
                  workspace_bytes=True),
     NativeParams("K3SituMoeParams", (SITU_MOE,), ("T", "D", "L", "I", "El"), workspace_bytes=True),
     NativeParams("K3SituMoeMxfp4Params", (SITU_MOE_MXFP4,), ("T", "D", "L", "I", "El"), workspace_bytes=True),
 )
-KDA, MLA, SITU_MOE_PARAMS, SITU_MOE_MXFP4_PARAMS = PARAMS
+KDA, MLA, MLA_FP8, SITU_MOE_PARAMS, SITU_MOE_MXFP4_PARAMS = PARAMS
 
 
 def _structure(spec: NativeParams) -> type[ctypes.Structure]:

@@ -79,6 +79,11 @@ def _compile(expr: str):
     return eval(f"lambda env: {body}", {"__builtins__": {}}), names  # noqa: S307 (checked above)
 
 
+# Passed calls memoized per contract (``OpContract.check``): decode reuses a handful of shapes,
+# each prefill step may bring new token counts.
+_MEMO_ENTRIES = 1024
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -158,11 +163,41 @@ class OpContract:
         updated in place must be contiguous (an implementation cannot copy them and keep the
         update); all inputs live on one device. Raises ValueError naming the op, the input,
         its shape and the expected one with the symbols resolved. Reads no tensor values:
-        semantic checks (offsets, slot ids, ...) stay with the ops."""
+        semantic checks (offsets, slot ids, ...) stay with the ops.
+
+        The result is a function of what the check reads (each input's shape, dtype and device,
+        the contiguity of the inputs updated in place, the attributes), so it is memoized on
+        those: an op called with the shapes of an earlier call that passed costs one key and one
+        dict lookup (each decode step calls every op with the shapes of the step before). A call
+        that fails is never memoized, so it raises its full message every time."""
         n_in, n_attr = len(self.inputs), len(self.attrs)
         if len(args) != n_in + n_attr:
             raise TypeError(f"{self.qualified_name}: expected {n_in} tensors and {n_attr} attributes, "
                             f"got {len(args)} arguments")
+        try:
+            key = (args[n_in:], *[(t.shape, t.dtype, t.device) for t in args[:n_in]],
+                   *[args[i].is_contiguous() for i in self._mutated_indices])
+            env = self._passed.get(key)
+        except (AttributeError, TypeError):  # a non-tensor input, symbolic sizes: the full check decides
+            return self._check(args)
+        if env is None:
+            env = self._check(args)
+            if len(self._passed) >= _MEMO_ENTRIES:  # prefill shapes vary per step: keep the memo bounded
+                self._passed.clear()
+            self._passed[key] = env
+        return dict(env)  # the caller's copy: the memoized binding stays as checked
+
+    @cached_property
+    def _mutated_indices(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.inputs) if t.mutated)
+
+    @cached_property
+    def _passed(self) -> dict[tuple, dict[str, int]]:
+        """Calls that passed ``check``, by their key, with their bound dims."""
+        return {}
+
+    def _check(self, args: tuple) -> dict[str, int]:
+        n_in = len(self.inputs)
         plan, source = self._binding_plan
         attrs = {a.name: v for a, v in zip(self.attrs, args[n_in:])}
         env = {sym: _compile(expr)[0](attrs) for sym, expr in self.attr_dims}
@@ -246,7 +281,24 @@ _KDA_INPUTS = (
                doc="last W-1 raw qkv inputs per slot, oldest first"),
     TensorSpec("recurrent_state", "fp32", ("S", "H", "K", "V"), mutated=True,
                doc="K-major delta-rule state S = M^T per slot and head"),
+    # Prefix-cache snapshots taken mid-prefill (issue 22): the state after the first o tokens
+    # of a sequence's tokens in this step, written to a snapshot row. A step that takes none has
+    # N = 1 and every offset -1; the pools may then have no rows (the torch runtime without the
+    # cache) or one unused row (exported graphs: TensorRT bindings take no zero-size dims).
+    TensorSpec("snapshot_offsets", "int32", ("B", "N"),
+               doc="per sequence, up to N snapshot points o (tokens of this step's tokens of the sequence): "
+                   "strictly increasing, each a multiple of KDA_CHUNK (64) or the sequence's token count, "
+                   "then -1 (none); kda_decode takes none (every entry -1)"),
+    TensorSpec("snapshot_rows", "int32", ("B", "N"),
+               doc="the snapshot_conv / snapshot_recurrent row each snapshot point writes (distinct over the "
+                   "step); ignored where the offset is -1"),
+    TensorSpec("snapshot_conv", "act", ("Ns", "3*P", "W-1"), mutated=True,
+               doc="conv_state rows at the snapshot points (the W-1 raw qkv inputs before the point)"),
+    TensorSpec("snapshot_recurrent", "fp32", ("Ns", "H", "K", "V"), mutated=True,
+               doc="recurrent_state rows at the snapshot points"),
 )
+# Snapshot points of kda_prefill are chunk boundaries, where the chunked form holds the state.
+KDA_CHUNK = 64
 _KDA_OUTPUTS = (
     TensorSpec("out", "act", ("T", "P"), doc="core output o (before o_norm and the output gate)"),
 )
@@ -263,12 +315,14 @@ _KDA_ATTR_DIMS = (("H", "num_heads"), ("K", "head_dim"), ("V", "head_dim"), ("P"
 
 KDA_PREFILL = OpContract(
     "kda_prefill", "K3KdaPrefill", _KDA_INPUTS, _KDA_OUTPUTS, _KDA_ATTRS,
-    doc="short conv + chunked (C=64) gated delta rule over a varlen batch",
+    doc="short conv + chunked (C=64) gated delta rule over a varlen batch; writes the state at each "
+        "snapshot point to its snapshot row",
     attr_dims=_KDA_ATTR_DIMS,
 )
 KDA_DECODE = OpContract(
     "kda_decode", "K3KdaDecode", _KDA_INPUTS, _KDA_OUTPUTS, _KDA_ATTRS,
-    doc="conv-state update + token-by-token recurrence (any tokens per sequence)",
+    doc="conv-state update + token-by-token recurrence (any tokens per sequence); takes no snapshots "
+        "(the reference refuses an offset >= 0, the kernel reads none)",
     attr_dims=_KDA_ATTR_DIMS,
 )
 
@@ -309,6 +363,29 @@ MLA_DECODE = OpContract(
     "mla_decode", "K3MlaDecode", _MLA_INPUTS, _MLA_OUTPUTS, _MLA_ATTRS,
     doc="insert latents, absorbed MQA over the paged latent cache (q_nope·W_UK, ·W_UV)",
     attr_dims=_MLA_ATTR_DIMS,
+)
+
+# The fp8 latent cache (``--kv-cache-dtype fp8``): the same ops over a byte cache whose row per
+# token is [R E4M3 codes | R/Q fp32 scales, one per Q channels | Dr bf16 rope values]
+# (ops/mla/fp8_cache.py holds the layout and the readable quantiser). Rows of K3 (R 512, Q 128,
+# Dr 64) are 656 bytes, 0.57x the 1152 of a bf16 row.
+_MLA_FP8_INPUTS = _MLA_INPUTS[:-1] + (
+    TensorSpec("latent_cache", "uint8", ("num_blocks", "block_size", "R+4*R/Q+2*Dr"), mutated=True,
+               doc="per token: R E4M3 codes, R/Q little-endian fp32 scales, Dr bf16 rope values"),
+)
+_MLA_FP8_ATTRS = _MLA_ATTRS + (
+    AttrSpec("scale_group", "int", doc="latent channels per fp32 scale Q (divides R, a multiple of 16)"),
+)
+
+MLA_PREFILL_FP8 = OpContract(
+    "mla_prefill_fp8", "K3MlaPrefillFp8", _MLA_FP8_INPUTS, _MLA_OUTPUTS, _MLA_FP8_ATTRS,
+    doc="mla_prefill over the fp8 latent cache: latents quantised on insert, dequantised on read",
+    attr_dims=_MLA_ATTR_DIMS + (("Q", "scale_group"),),
+)
+MLA_DECODE_FP8 = OpContract(
+    "mla_decode_fp8", "K3MlaDecodeFp8", _MLA_FP8_INPUTS, _MLA_OUTPUTS, _MLA_FP8_ATTRS,
+    doc="mla_decode over the fp8 latent cache: latents quantised on insert, dequantised on read",
+    attr_dims=_MLA_ATTR_DIMS + (("Q", "scale_group"),),
 )
 
 # ---------------------------------------------------------------------------
@@ -361,5 +438,6 @@ SITU_MOE_MXFP4 = OpContract(
 )
 
 ALL_CONTRACTS: tuple[OpContract, ...] = (
-    KDA_PREFILL, KDA_DECODE, MLA_PREFILL, MLA_DECODE, SITU_MOE, SITU_MOE_MXFP4,
+    KDA_PREFILL, KDA_DECODE, MLA_PREFILL, MLA_DECODE, MLA_PREFILL_FP8, MLA_DECODE_FP8, SITU_MOE,
+    SITU_MOE_MXFP4,
 )

@@ -8,14 +8,15 @@ import hashlib
 from collections import OrderedDict
 from typing import NamedTuple
 
+from k3_trtllm.ops.contract import KDA_CHUNK
 from k3_trtllm.runtime.sequence import Sequence
 
 GIB = 1 << 30
 # the cache budget of run, bench, serve and engine dirs when neither it nor both pool counts are given
 DEFAULT_CACHE_MEMORY_GB = 2.0
 # tokens between KDA state snapshots when --prefix-cache-interval is 0 (rounded up to a multiple of
-# the block size). Every prefill chunk ends at a snapshot position (see PrefixCache), so a smaller
-# interval means more, shorter prefill steps: 512 keeps a 4k-token prompt to 8 chunks.
+# the block size). The prefill kernels write snapshots mid-chunk (see PrefixCache), so the interval
+# costs no prefill steps; a smaller one finds deeper hits but needs more snapshot rows.
 DEFAULT_PREFIX_CACHE_INTERVAL = 512
 # with the prefix cache on and no --prefix-cache-snapshots, snapshot rows get this share of the budget
 SNAPSHOT_BUDGET_SHARE = 0.25
@@ -288,15 +289,17 @@ class PrefixCache:
     there. It is usable while those blocks are all cached; snapshot rows are evicted least
     recently used first, as blocks are, and never hold up a running sequence.
 
-    How a snapshot gets written: the scheduler ends every chunk that would cross a snapshot
-    position exactly there (``clip``), so after the step the sequence's state row holds
-    exactly the state at that position, and asks the executor to copy it to a snapshot row
-    (``save``). The issue suggests the kernels write snapshots mid-prefill instead (as
-    FlashKDA's checkpoint-state arguments do); the project lead chose the scheduler-side form
-    while the CUDA launchers are being reworked: it needs no kernel change, at the cost of
-    prefills of at least ``len / interval`` steps with the cache on."""
+    How a snapshot gets written (``take`` reserves the rows of the positions a chunk covers):
+    with ``mid_chunk`` (an executor whose prefill ops write the snapshots, as FlashKDA's
+    checkpoint-state arguments do) the step asks the KDA prefill for the state after ``o`` of
+    the chunk's tokens, which the kernels hold at every ``KDA_CHUNK``-token boundary of the
+    chunk and at its end; a position that is neither (a chunk starting off the grid, e.g.
+    after a budget-cut chunk) ends the chunk there (``clip``). Without ``mid_chunk`` every
+    position ends its chunk, and the state row the step leaves is copied to the snapshot row
+    after it. Pure-decode steps take theirs by that copy too (the decode ops take none)."""
 
-    def __init__(self, blocks: BlockManager, max_slots: int, snapshot_slots: int, interval: int) -> None:
+    def __init__(self, blocks: BlockManager, max_slots: int, snapshot_slots: int, interval: int,
+                 mid_chunk: bool = False) -> None:
         if snapshot_slots < 1:
             raise ValueError(f"--prefix-cache-snapshots {snapshot_slots} must be >= 1 with the prefix cache on")
         if interval < 1 or interval % blocks.block_size:
@@ -304,6 +307,7 @@ class PrefixCache:
                              f"{blocks.block_size}")
         self.blocks = blocks
         self.interval = interval
+        self.mid_chunk = mid_chunk
         self.snapshot_slots = snapshot_slots
         self.first_row = max_slots
         self._free = list(range(max_slots + snapshot_slots - 1, max_slots - 1, -1))
@@ -349,19 +353,38 @@ class PrefixCache:
         self.cached_tokens += hit.num_tokens
         return hit.snapshot_row, seq.state_slot
 
-    def clip(self, seq: Sequence, n: int) -> int:
-        """``n`` shortened so the chunk ends at the next snapshot position if it would cross it."""
-        start = seq.num_cached_tokens
-        return min(n, (start // self.interval + 1) * self.interval - start)
+    def clip(self, start: int, n: int, remaining: int) -> int:
+        """``n`` (of the ``remaining`` tokens to compute) shortened so that a chunk of it from
+        token ``start`` can take every snapshot position it crosses: it ends at the first one
+        that is not ``KDA_CHUNK``-aligned from ``start`` (every one without ``mid_chunk``). With
+        ``mid_chunk``, a chunk cut short by the budget ends on the ``KDA_CHUNK`` grid when it
+        can, so that the next one starts on it and takes its positions mid-chunk too."""
+        s = self.interval
+        for p in range((start // s + 1) * s, start + n, s):
+            if not self.mid_chunk or (p - start) % KDA_CHUNK:
+                return p - start
+        if self.mid_chunk and n < remaining and (start + n) // KDA_CHUNK * KDA_CHUNK > start:
+            return (start + n) // KDA_CHUNK * KDA_CHUNK - start
+        return n
 
-    def save(self, seq: Sequence, n: int) -> tuple[int, int] | None:
-        """When a chunk of ``n`` tokens ends at a snapshot position: the copy ``(slot, row)``
-        the executor runs after the step, or None when the snapshot is held already or every
-        snapshot row is being written in this step."""
-        end = seq.num_cached_tokens + n
-        if end % self.interval:
-            return None
-        h = chain_hashes(seq, self.blocks.block_size, end // self.blocks.block_size)[-1]
+    def take(self, seq: Sequence, n: int) -> list[tuple[int, int]]:
+        """The snapshots a chunk of ``n`` tokens (``clip``-ped) takes: ``(tokens into the chunk,
+        row)`` for each position in it whose snapshot is not held already, while rows last."""
+        start, s, bs = seq.num_cached_tokens, self.interval, self.blocks.block_size
+        positions = range((start // s + 1) * s, start + n + 1, s)
+        if not positions:
+            return []
+        hashes = chain_hashes(seq, bs, positions[-1] // bs)
+        taken = []
+        for p in positions:
+            row = self._reserve(hashes[p // bs - 1])
+            if row is not None:
+                taken.append((p - start, row))
+        return taken
+
+    def _reserve(self, h: bytes) -> int | None:
+        """A row for the snapshot of hash ``h``, or None when it is held already (then it
+        becomes the most recently used), written in this step or no row can be had."""
         if h in self._row_of:
             self._lru.move_to_end(self._row_of[h])
             return None
@@ -376,16 +399,16 @@ class PrefixCache:
         else:
             return None
         self._pending[row] = h
-        return seq.state_slot, row
+        return row
 
     def discard_pending(self) -> None:
-        """The last step's saves did not run (it raised before ``commit``): their rows hold
-        nothing and go back to the free list, never to the index."""
+        """The last step's snapshots were not taken (it raised before ``commit``): their rows
+        hold nothing and go back to the free list, never to the index."""
         self._free.extend(self._pending)
         self._pending.clear()
 
     def commit(self) -> None:
-        """The step ran: the rows it saved hold their snapshots now."""
+        """The step ran: the rows it took snapshots into hold them now."""
         for row, h in self._pending.items():
             self._row_of[h] = row
             self._hash_of[row] = h

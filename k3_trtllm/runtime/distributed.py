@@ -98,6 +98,7 @@ class RankSpec:
     threads: int  # torch intra-op threads per rank on CPU (the host's cores shared by its ranks)
     batch_invariant: bool = False  # kernels.batch_invariant on CUDA (README: Reproducibility)
     snapshot_slots: int = 0  # prefix-cache KDA state snapshot rows (runtime/block_manager.py: PrefixCache)
+    kv_cache_dtype: str = "auto"  # latent rows: auto, bf16 or fp8 (model/caches.py)
 
 
 @dataclass
@@ -294,6 +295,8 @@ class BroadcastExecutor:
         self.group = group
         self.vocab_size = local.vocab_size
         self.device = local.device
+        # every rank runs the same executor kind; the step's snapshot points travel with it
+        self.writes_snapshots = getattr(local, "writes_snapshots", False)
         self.world_size = group.world_size
         self.steps = 0
         self._failure: str | None = None

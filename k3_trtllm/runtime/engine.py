@@ -17,6 +17,7 @@ from k3_trtllm.checkpoint.trtllm import read_trtllm_config
 from k3_trtllm.config import K3Config, load_config
 from k3_trtllm.convert.in_memory import shard_hf_checkpoint
 from k3_trtllm.model import K3Caches, Parallel, load_model, model_from_state_dict
+from k3_trtllm.model.caches import kv_cache_label
 from k3_trtllm.ops.cuda_library import register_cuda_kernels
 from k3_trtllm.runtime.block_manager import BlockManager, PrefixCache, StateSlots, resolve_prefix_interval, size_pools
 from k3_trtllm.runtime.distributed import RankSpec, check_world_one, rank_threads, start_world
@@ -72,6 +73,9 @@ class EngineConfig:
     prefix_cache: bool = False
     prefix_cache_interval: int = 0
     snapshot_slots: int | None = None
+    # what the executor's latent rows hold (model/caches.py: kv_cache_label), "fp8" or the
+    # activation dtype's name, as build_engine states it (None: not stated); only reported
+    kv_cache_dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -115,10 +119,11 @@ class LLMEngine:
         if config.prefix_cache:
             snapshots = config.max_slots if config.snapshot_slots is None else config.snapshot_slots
             prefix = PrefixCache(blocks, config.max_slots, snapshots,
-                                 resolve_prefix_interval(config.prefix_cache_interval, config.block_size))
+                                 resolve_prefix_interval(config.prefix_cache_interval, config.block_size),
+                                 mid_chunk=getattr(executor, "writes_snapshots", False))
         self.scheduler = Scheduler(blocks, StateSlots(config.max_slots), config.max_batch_size,
                                    config.max_num_tokens, self.eos_token_ids, prefix)
-        self.runner = ModelRunner(executor, config.block_size)
+        self.runner = ModelRunner(executor, config.block_size, first_snapshot_row=config.max_slots)
         self.vocab_size = executor.vocab_size
         self.sampler = Sampler(self.eos_token_ids)
         # Requests without a seed get one from here, in arrival order, so that an
@@ -301,6 +306,7 @@ class LLMEngine:
             "blocks": {"total": blocks.num_blocks, "in_use": blocks.num_used, "peak": stats.peak_blocks_in_use},
             "slots": {"total": slots.max_slots, "in_use": slots.num_used, "peak": stats.peak_slots_in_use},
             "peak_batch": stats.peak_batch,
+            "kv_cache_dtype": self.config.kv_cache_dtype,
             "prefix_cache": self._prefix_summary(),
             "scheduler_cpu_ms_per_step": summarize(stats.scheduler_cpu_s, 1e3),
             "step_ms": summarize(stats.step_wall_s, 1e3),
@@ -325,7 +331,8 @@ def build_engine(model_dir: str, *, dtype: torch.dtype = torch.bfloat16, device:
                  max_seq_len: int = 4096, num_blocks: int | None = None, max_slots: int | None = None,
                  cache_memory_gb: float | None = None, seed: int | None = None, tp: int | None = None,
                  ep: int | None = None, batch_invariant: bool = False, prefix_cache: bool = False,
-                 prefix_cache_interval: int | None = None, snapshot_slots: int | None = None) -> LLMEngine | None:
+                 prefix_cache_interval: int | None = None, snapshot_slots: int | None = None,
+                 kv_cache_dtype: str = "auto") -> LLMEngine | None:
     """Load a checkpoint, size and allocate its cache pools, and wrap it in an engine.
 
     At world size N > 1 (a converted world-N checkpoint, or an HF one with ``tp`` > 1,
@@ -342,20 +349,25 @@ def build_engine(model_dir: str, *, dtype: torch.dtype = torch.bfloat16, device:
     ``prefix_cache``: share cached prefixes between requests (``runtime/block_manager.py``:
     ``PrefixCache``), with a KDA state snapshot every ``prefix_cache_interval`` tokens in
     ``snapshot_slots`` rows (None: ``size_pools`` sizes them); every rank keeps its own heads'
-    snapshots and rank 0 decides the hits."""
+    snapshots and rank 0 decides the hits.
+
+    ``kv_cache_dtype``: the latent rows (``model/caches.py``: auto, bf16 or fp8); the cache
+    budget counts their real bytes, so fp8 fits about 1.76x the blocks of bf16 for K3."""
+    label = kv_cache_label(kv_cache_dtype, dtype)  # a bad value fails before the checkpoint is read
     cfg, tp, ep = _checkpoint_layout(model_dir, tp, ep)
     interval = resolve_prefix_interval(prefix_cache_interval, block_size) if prefix_cache else 0
-    pools = size_pools(K3Caches.bytes_per_block(cfg, block_size, dtype), K3Caches.bytes_per_slot(cfg, dtype, tp),
+    pools = size_pools(K3Caches.bytes_per_block(cfg, block_size, dtype, kv_cache_dtype),
+                       K3Caches.bytes_per_slot(cfg, dtype, tp),
                        block_size=block_size, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                        cache_memory_gb=cache_memory_gb, num_blocks=num_blocks, max_slots=max_slots,
                        prefix_cache=prefix_cache, snapshot_slots=snapshot_slots, prefix_cache_interval=interval)
     spec = RankSpec(str(model_dir), dtype, torch.device(device).type, tp, ep, pools.num_blocks, pools.max_slots,
                     block_size, threads=rank_threads(tp), batch_invariant=batch_invariant,
-                    snapshot_slots=pools.snapshot_slots)
+                    snapshot_slots=pools.snapshot_slots, kv_cache_dtype=kv_cache_dtype)
     config = EngineConfig(num_blocks=pools.num_blocks, max_slots=pools.max_slots, block_size=block_size,
                           max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
                           prefix_cache=prefix_cache, prefix_cache_interval=interval,
-                          snapshot_slots=pools.snapshot_slots)
+                          snapshot_slots=pools.snapshot_slots, kv_cache_dtype=label)
     return start_engine(spec, _rank_executor, cfg, config, device, model_dir, seed)
 
 
@@ -405,7 +417,7 @@ def _rank_executor(spec: RankSpec, device: torch.device) -> TorchExecutor:
             register_cuda_kernels()
         cfg, state, layout = shard_hf_checkpoint(spec.model_dir, spec.tp, spec.ep, dist.get_rank())
         model = model_from_state_dict(cfg, state, spec.dtype, device, Parallel.from_layout(layout, dist.get_rank()))
-    caches = model.allocate_caches(spec.num_blocks, spec.block_size, spec.max_slots)
+    caches = model.allocate_caches(spec.num_blocks, spec.block_size, spec.max_slots, spec.kv_cache_dtype)
     caches.allocate_snapshots(spec.snapshot_slots)
     # the mode's row-chunked overrides are proven eager only (tests/gpu/test_determinism.py)
     return TorchExecutor(model, caches, device, cuda_graphs=False if spec.batch_invariant else None)

@@ -21,6 +21,9 @@ class Executor(Protocol):
 
     vocab_size: int
     device: torch.device
+    # whether a prefill writes the KDA snapshots its step asks for (``step.snapshot_offsets``);
+    # without it the prefix cache ends chunks at snapshot positions and copies the state rows
+    writes_snapshots: bool
 
     def execute(self, step: StepInputs, decode: bool) -> torch.Tensor: ...
 
@@ -48,6 +51,7 @@ def pad_block_tables(step: StepInputs, width: int) -> StepInputs:
 
 
 _ALIGN = 4  # int32 elements in 16 bytes
+_SNAPSHOT_FIELDS = ("snapshot_offsets", "snapshot_rows")
 
 
 class _DecodeGraph:
@@ -56,7 +60,8 @@ class _DecodeGraph:
     so a step costs one host-to-device copy (from a pinned staging buffer) and one replay."""
 
     def __init__(self, model: torch.nn.Module, caches, device: torch.device, num_seqs: int, width: int, pool):
-        shapes = {f.name: (num_seqs,) for f in fields(StepInputs)}
+        # decode steps take no snapshots (the model runner copies their state rows instead)
+        shapes = {f.name: (num_seqs,) for f in fields(StepInputs) if f.name not in _SNAPSHOT_FIELDS}
         shapes["cu_seqlens"] = (num_seqs + 1,)
         shapes["block_tables"] = (num_seqs, width)
         # each field starts on a 16-byte boundary: the kernels read index tensors with
@@ -67,10 +72,11 @@ class _DecodeGraph:
             total += -(-int(torch.Size(shape).numel()) // _ALIGN) * _ALIGN
         self.staging = torch.zeros(total, dtype=torch.int32, pin_memory=True)
         self.buffer = torch.zeros(total, dtype=torch.int32, device=device)
-        self._host, views = {}, {}
+        # the staging buffer's fields as numpy views: an assignment costs a fraction of a torch copy_
+        self._host_np, views = {}, {}
         for name, shape in shapes.items():
             n, at = int(torch.Size(shape).numel()), starts[name]
-            self._host[name] = self.staging[at: at + n].view(shape)
+            self._host_np[name] = self.staging[at: at + n].view(shape).numpy()
             views[name] = self.buffer[at: at + n].view(shape)
         self.step = StepInputs(**views)
         self.copied = torch.cuda.Event()
@@ -81,9 +87,16 @@ class _DecodeGraph:
             self.logits = model(self.step, caches, decode=True)
 
     def run(self, step: StepInputs) -> torch.Tensor:
+        """Replay for ``step`` (on the host; block tables at most this graph's width, their
+        columns past the step's own zeroed, which is what ``pad_block_tables`` does)."""
         self.copied.synchronize()  # the previous step's copy has left the staging buffer
-        for name, host in self._host.items():
-            host.copy_(getattr(step, name))
+        for name, host in self._host_np.items():
+            src = getattr(step, name).numpy()
+            if name == "block_tables":
+                host[:, : src.shape[1]] = src
+                host[:, src.shape[1]:] = 0
+            else:
+                host[...] = src
         self.buffer.copy_(self.staging, non_blocking=True)
         self.copied.record()
         self.graph.replay()
@@ -102,7 +115,10 @@ class TorchExecutor:
     does. The phase is the runner's ``decode``, so choosing costs no device sync; a graph
     replays from a step on the host (``build_step`` makes it there). Prefill and mixed steps
     run eagerly.
-    Multi-rank models stay eager (every rank would have to capture the same collectives)."""
+    Multi-rank models stay eager (every rank would have to capture the same collectives).
+    Prefills write the prefix cache's KDA snapshots (the ops take the step's snapshot points)."""
+
+    writes_snapshots = True
 
     def __init__(self, model: torch.nn.Module, caches, device: torch.device | str,
                  cuda_graphs: bool | None = None, max_graph_batch: int = 256, max_graphs: int = 64) -> None:
@@ -130,13 +146,14 @@ class TorchExecutor:
     def execute(self, step: StepInputs, decode: bool) -> torch.Tensor:
         # a replay stages the step through pinned host memory: a step already on the device runs eagerly
         on_host = step.input_ids.device.type == "cpu"
-        if not (self.cuda_graphs and decode and on_host and step.num_seqs <= self.max_graph_batch):
+        if not (self.cuda_graphs and decode and on_host and step.num_seqs <= self.max_graph_batch
+                and step.snapshot_offsets is None):
             return self.model(step.to(self.device), self.caches, decode)
         width = padded_width(step.block_tables.shape[1])
-        step = pad_block_tables(step, width)
         key = (step.num_seqs, width)
         graph = self.graphs.get(key)
         if graph is None:
+            step = pad_block_tables(step, width)
             logits = self.model(step.to(self.device), self.caches, True)
             if key not in self.eager_shapes and len(self.graphs) < self.max_graphs:
                 self._capture(key, step.num_seqs, width)

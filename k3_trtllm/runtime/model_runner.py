@@ -9,9 +9,13 @@ from k3_trtllm.runtime.scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, executor: Executor, block_size: int) -> None:
+    """``first_snapshot_row``: where the prefix cache's snapshot rows start in its row namespace
+    (``PrefixCache``: after the ``max_slots`` state slots); the ops index the snapshot pools."""
+
+    def __init__(self, executor: Executor, block_size: int, first_snapshot_row: int = 0) -> None:
         self.executor = executor
         self.block_size = block_size
+        self.first_snapshot_row = first_snapshot_row
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run ``batch``; return fp32 logits ``[len(batch.sampling), vocab]``, one row per
@@ -19,20 +23,43 @@ class ModelRunner:
         later step asks for no logits."""
         seqs = [(seq.token_ids[seq.num_cached_tokens: seq.num_cached_tokens + n], seq.num_cached_tokens,
                  seq.state_slot, seq.block_table) for seq, n in batch.entries]
-        step = build_step(seqs, self.block_size)
+        # the phase is decided here, once, from host lists: every layer below follows it
+        decode = is_pure_decode(seqs)
+        in_step, copies = self._snapshots(batch, decode)
+        step = build_step(seqs, self.block_size, snapshots=in_step)
         if len(batch.sampling) != len(batch.entries):
             samples = [n == seq.num_uncached_tokens for seq, n in batch.entries]
             last_tokens = step.cu_seqlens[1:] - 1
             step.logits_indices = last_tokens[torch.tensor(samples, dtype=torch.bool)]
         # prefix cache: restored KDA states must be in their slots before the step reads
-        # them, and saved snapshots are the states the step leaves behind
+        # them, and copied snapshots are the states the step leaves behind
         if batch.restores:
             self.executor.copy_states(batch.restores)
-        # the phase is decided here, once, from host lists: every layer below follows it
-        logits = self.executor.execute(step, is_pure_decode(seqs))
-        if batch.saves:
-            self.executor.copy_states(batch.saves)
+        logits = self.executor.execute(step, decode)
+        if copies:
+            self.executor.copy_states(copies)
         if logits.shape[0] != len(batch.sampling):
             raise ValueError(f"executor returned logits of shape {tuple(logits.shape)}; "
                              f"expected {len(batch.sampling)} rows")
         return logits
+
+    def _snapshots(self, batch: ScheduledBatch, decode: bool):
+        """(per entry, the ``(offset, snapshot-pool row)`` points the prefill ops take, or None;
+        the ``(slot, row)`` copies after the step). The ops take them in a prefill step of an
+        executor whose ops write snapshots; otherwise every point ends its chunk (the
+        scheduler's ``clip``) and the state row the step leaves is copied."""
+        if not batch.snapshots:
+            return None, []
+        if not decode and getattr(self.executor, "writes_snapshots", False):
+            points: list[list[tuple[int, int]]] = [[] for _ in batch.entries]
+            for entry, offset, row in batch.snapshots:
+                points[entry].append((offset, row - self.first_snapshot_row))
+            return points, []
+        copies = []
+        for entry, offset, row in batch.snapshots:
+            seq, n = batch.entries[entry]
+            if offset != n:
+                raise ValueError(f"snapshot {offset} tokens into a chunk of {n}: this executor's steps "
+                                 "take snapshots only where a chunk ends")
+            copies.append((seq.state_slot, row))
+        return None, copies

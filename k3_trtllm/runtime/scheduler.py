@@ -16,14 +16,15 @@ class ScheduledBatch:
     chunk reaches the end of their tokens, in entry order: only they sample a token.
 
     With the prefix cache, ``restores`` are the KDA state copies ``(snapshot row, slot)`` to
-    run before the step (sequences admitted on a cached prefix) and ``saves`` the copies
-    ``(slot, snapshot row)`` to run after it (chunks that end at a snapshot position); rows
-    are in ``PrefixCache``'s namespace."""
+    run before the step (sequences admitted on a cached prefix) and ``snapshots`` the KDA
+    snapshots the step takes, ``(entry index, tokens into its chunk, snapshot row)``: the
+    model runner hands them to the prefill ops, or copies the state rows after the step
+    where they end their chunk (see ``PrefixCache``); rows are in ``PrefixCache``'s namespace."""
 
     entries: list[tuple[Sequence, int]] = field(default_factory=list)
     sampling: list[Sequence] = field(default_factory=list)
     restores: list[tuple[int, int]] = field(default_factory=list)
-    saves: list[tuple[int, int]] = field(default_factory=list)
+    snapshots: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -56,8 +57,9 @@ class Scheduler:
 
     With a ``prefix`` cache, a new sequence starts from the deepest cached prefix with a KDA
     snapshot (its blocks shared, its state restored, only the rest computed), and every chunk
-    ends at the next snapshot position if it would cross it, where the state is saved.
-    Cached blocks count as free: they are evicted before any running sequence is preempted."""
+    takes the snapshots of the positions it covers; it ends at one only where the prefill
+    cannot take it mid-chunk (``PrefixCache.clip``). Cached blocks count as free: they are
+    evicted before any running sequence is preempted."""
 
     def __init__(self, blocks: BlockManager, slots: StateSlots, max_batch_size: int,
                  max_num_tokens: int, eos_token_ids: tuple[int, ...] = (),
@@ -92,7 +94,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         if self.prefix is not None:
-            # saves still pending belong to a step that raised (postprocess commits them)
+            # snapshots still pending belong to a step that raised (postprocess commits them)
             self.prefix.discard_pending()
         batch = ScheduledBatch()
         scheduled: set[int] = set()
@@ -113,9 +115,9 @@ class Scheduler:
                     continue  # seq preempted itself
                 # A prefill chunk shrinks to the room there is instead of preempting more.
                 n = min(seq.num_uncached_tokens, budget, capacity)
-                # Ending chunks at snapshot positions (and copying the state row after the step)
-                # is the lead's choice over kernels writing snapshots mid-chunk: see PrefixCache.
-                budget -= self._schedule(batch, scheduled, seq, self.prefix.clip(seq, n) if self.prefix else n)
+                if self.prefix:
+                    n = self.prefix.clip(seq.num_cached_tokens, n, seq.num_uncached_tokens)
+                budget -= self._schedule(batch, scheduled, seq, n)
         if self.num_preemptions == preemptions_before:
             self._admit(batch, scheduled, budget)
         return batch
@@ -126,12 +128,13 @@ class Scheduler:
             seq = self.waiting[0]
             hit = self.prefix.lookup(seq) if self.prefix else None
             cached = hit.num_tokens if hit else 0
-            n = min(len(seq.token_ids) - cached, budget)
+            remaining = len(seq.token_ids) - cached
+            n = min(remaining, budget)
             # the hit's blocks are full, and the cached ones among them stop being free
             capacity = (self.blocks.num_free - (self.blocks.num_reclaimed_by(hit.blocks) if hit else 0)) \
                 * self.blocks.block_size
             if self.prefix:
-                n = min(n, self.prefix.interval)  # cached is a snapshot position: the next is one interval on
+                n = self.prefix.clip(cached, n, remaining)
             if capacity < n:
                 # Start on a smaller chunk only when nothing else runs: otherwise the
                 # sequence would hold blocks it cannot use and be the next victim.
@@ -153,8 +156,9 @@ class Scheduler:
     def _schedule(self, batch: ScheduledBatch, scheduled: set[int], seq: Sequence, n: int) -> int:
         self.blocks.allocate(seq, n)
         batch.entries.append((seq, n))
-        if self.prefix and (save := self.prefix.save(seq, n)):
-            batch.saves.append(save)
+        if self.prefix:
+            entry = len(batch.entries) - 1
+            batch.snapshots += [(entry, offset, row) for offset, row in self.prefix.take(seq, n)]
         if n == seq.num_uncached_tokens:
             batch.sampling.append(seq)
         scheduled.add(seq.seq_id)

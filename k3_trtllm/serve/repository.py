@@ -25,6 +25,7 @@ ENGINE_PARAMETERS = {
     "max_seq_len": int, "num_blocks": int, "max_slots": int, "cache_memory_gb": float, "seed": int,
     "tp": int, "ep": int,  # world size > 1: the Triton model is rank 0 and starts the other ranks
     "prefix_cache": flag, "prefix_cache_interval": int, "snapshot_slots": int,
+    "kv_cache_dtype": str,  # auto | bf16 | fp8 (model/caches.py); an engine dir's own unless given
 }
 # The loop's cancellation check period, and the file whose appearance drains the loop.
 LOOP_PARAMETERS = {"cancellation_check_period_ms": float, "drain_file": str}

@@ -18,6 +18,7 @@ import torch
 from ..checkpoint.trtllm import is_trtllm_checkpoint, read_trtllm_config
 from ..config import load_config
 from ..model import load_model
+from ..model.caches import kv_cache_label
 from ..ops.contract import ALL_CONTRACTS, PLUGIN_NAMESPACE, PLUGIN_VERSION
 from .profiles import DECODE, PREFILL, BuildLimits, profile_shapes
 from ..utils.atomic import atomic_output_dir, check_output, input_paths, write_file
@@ -48,8 +49,12 @@ def _read_config(checkpoint: Path):
 
 def build_engine_dir(checkpoint: str | Path, out_dir: str | Path, limits: BuildLimits, *,
                      dtype: torch.dtype = torch.bfloat16, builder: str = "auto",
-                     plugin_lib: str | Path | None = None, force: bool = False, log=None) -> Path:
+                     plugin_lib: str | Path | None = None, force: bool = False, log=None,
+                     kv_cache_dtype: str = "auto") -> Path:
+    """``kv_cache_dtype`` (``model/caches.py``) fixes the latent pools' rows and MLA's plugin
+    (``K3MlaPrefillFp8`` for fp8); config.json records it."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
+    kv_label = kv_cache_label(kv_cache_dtype, dtype)  # a bad value fails before anything is read
     if builder not in BUILDERS:
         raise ValueError(f"builder must be one of {', '.join(BUILDERS)}, got {builder!r}")
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
@@ -60,7 +65,7 @@ def build_engine_dir(checkpoint: str | Path, out_dir: str | Path, limits: BuildL
     check_output(out_dir, OUTPUT_KIND, force=force, inputs=sources)
     cfg = _read_config(checkpoint)
     limits.validate(cfg)
-    plugins = graph_plugins(cfg)
+    plugins = graph_plugins(cfg, kv_cache_dtype, dtype)
     from ..trt.builder import open_builder
 
     trt = open_builder(builder, plugin_lib, plugins, log)
@@ -68,10 +73,12 @@ def build_engine_dir(checkpoint: str | Path, out_dir: str | Path, limits: BuildL
     log(f"build: loading {checkpoint}")
     model = load_model(checkpoint, dtype=dtype)
     cfg = model.config
-    inputs, outputs = engine_inputs(cfg, dtype, limits.block_size), engine_outputs(cfg, dtype, limits.block_size)
+    inputs = engine_inputs(cfg, dtype, limits.block_size, kv_cache_dtype)
+    outputs = engine_outputs(cfg, dtype, limits.block_size, kv_cache_dtype)
     profiles = {phase: profile_shapes(inputs, limits, phase) for phase in (PREFILL, DECODE)}
     with atomic_output_dir(out_dir, OUTPUT_KIND, force=force, inputs=sources, log=log) as tmp:
-        onnx_path = export_step_onnx(model, tmp / "rank0.onnx", limits.block_size, log=log)
+        onnx_path = export_step_onnx(model, tmp / "rank0.onnx", limits.block_size, log=log,
+                                     kv_cache_dtype=kv_cache_dtype)
         log("build: checking the graph (checker full_check, strict shape inference)")
         graph = check_onnx(onnx_path)
         if _graph_plugins(graph) != plugins:  # the creators checked before the export are the graph's
@@ -90,6 +97,7 @@ def build_engine_dir(checkpoint: str | Path, out_dir: str | Path, limits: BuildL
             "architecture": "KimiK3ForCausalLM",
             "checkpoint": str(checkpoint.resolve()),
             "dtype": str(dtype).removeprefix("torch."),
+            "kv_cache_dtype": kv_label,
             "mapping": {"world_size": 1, "tp_size": 1, "moe_ep_size": 1},
             "limits": {"max_batch_size": limits.max_batch_size, "max_num_tokens": limits.max_num_tokens,
                        "max_seq_len": limits.max_seq_len, "block_size": limits.block_size,

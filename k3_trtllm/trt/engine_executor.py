@@ -37,7 +37,7 @@ from ..export.segments import DTYPES, weight_dtype
 from ..model.caches import K3Caches
 from ..model.step import StepInputs
 from .profiles import DECODE, PREFILL
-from .segment_layout import LAYOUT
+from .segment_layout import LAYOUT, engine_kv_cache_dtype, kv_cache_conflict
 
 
 class EngineDirError(ValueError):
@@ -69,6 +69,9 @@ def _check_fields(config: dict, p: Path) -> None:
             raise EngineDirError(f"{p}: field `{key}` missing or not a{'n' if kind is dict else ''} {kind.__name__}")
     if config["dtype"] not in DTYPES:
         raise EngineDirError(f"{p}: field `dtype` = {config['dtype']!r} is not one of {sorted(DTYPES)}")
+    if engine_kv_cache_dtype(config) not in ("fp8", config["dtype"]):
+        raise EngineDirError(f"{p}: field `kv_cache_dtype` = {config['kv_cache_dtype']!r} is neither fp8 nor the "
+                             f"engine dtype {config['dtype']}")
     m, lim = config["mapping"], config["limits"]
     for key in ("world_size", "tp_size", "moe_ep_size"):
         if not isinstance(m.get(key), int) or m[key] < 1:
@@ -188,6 +191,10 @@ class TensorRTSegments:
 # The executor
 # ---------------------------------------------------------------------------------------
 class EngineExecutor:
+    # the segments' KDA plugins get no snapshot points (export/segments.py binds none): the
+    # prefix cache ends chunks at snapshot positions and copies the state rows (copy_states)
+    writes_snapshots = False
+
     def __init__(self, engine_dir: str | Path, *, num_blocks: int, max_slots: int, checkpoint: str | Path | None = None,
                  device: str | torch.device = "cpu", backend: str = "auto", plugin_lib: str | Path | None = None,
                  snapshot_slots: int = 0):
@@ -215,7 +222,7 @@ class EngineExecutor:
         # the prefix cache's snapshot rows are pools of their own: the segments bind only the
         # running slots, so the engine's profiles are unchanged
         self.caches = K3Caches.allocate(cfg, num_blocks, lim["block_size"], max_slots, self.act, self.device,
-                                        config["mapping"]["tp_size"], snapshot_slots)
+                                        config["mapping"]["tp_size"], snapshot_slots, _allocated_kv(config))
         rank_info = config["ranks"][self.rank]
         i32 = dict(dtype=torch.int32, device=self.device)
         self.rank_inputs = {"vocab_start": torch.tensor([rank_info["vocab_start"]], **i32),
@@ -369,6 +376,11 @@ class EngineExecutor:
 # ---------------------------------------------------------------------------------------
 # An LLMEngine over an engine dir (``k3-trt run ENGINE_DIR``)
 # ---------------------------------------------------------------------------------------
+def _allocated_kv(config: dict) -> str:
+    """``K3Caches.allocate``'s kv_cache_dtype for the rows the engine's segments take."""
+    return "fp8" if engine_kv_cache_dtype(config) == "fp8" else "auto"
+
+
 def _rank_executor(engine_dir: str, checkpoint: str, backend: str, plugin_lib, spec, device) -> EngineExecutor:
     """``runtime.distributed``'s ``make_executor`` for one rank (module level: pickled to
     spawned ranks; the engine-dir arguments are bound with ``functools.partial``)."""
@@ -392,9 +404,11 @@ def engine_dir_engine(engine_dir: str | Path, *, checkpoint: str | Path | None =
                       num_blocks: int | None = None, max_slots: int | None = None,
                       cache_memory_gb: float | None = None, seed: int | None = None, backend: str = "auto",
                       plugin_lib: str | Path | None = None, prefix_cache: bool = False,
-                      prefix_cache_interval: int | None = None, snapshot_slots: int | None = None):
+                      prefix_cache_interval: int | None = None, snapshot_slots: int | None = None,
+                      kv_cache_dtype: str | None = None):
     """The runner over ``engine_dir``'s segments. Limits not given are the engine's; given
-    ones must fit it. The prefix-cache arguments are ``build_engine``'s. At world size N > 1 the ranks are started or joined as for a
+    ones must fit it (``kv_cache_dtype`` must name the latent rows it was built with).
+    The prefix-cache arguments are ``build_engine``'s. At world size N > 1 the ranks are started or joined as for a
     checkpoint (``runtime/distributed.py``); on a torchrun rank other than 0 this serves
     steps and returns None."""
     from ..runtime.block_manager import DEFAULT_CACHE_MEMORY_GB, resolve_prefix_interval, size_pools
@@ -406,6 +420,10 @@ def engine_dir_engine(engine_dir: str | Path, *, checkpoint: str | Path | None =
     cfg = check_checkpoint(config, engine_dir, checkpoint)
     lim, act = config["limits"], DTYPES[config["dtype"]]
     _within("dtype", dtype, config["dtype"], equal=True)
+    conflict = kv_cache_conflict(config, kv_cache_dtype)
+    if conflict:
+        raise EngineDirError(conflict)
+    kv = _allocated_kv(config)
     block_size = _within("block_size", block_size, lim["block_size"], equal=True)
     max_batch_size = _within("max_batch_size", max_batch_size, lim["max_batch_size"])
     max_num_tokens = _within("max_num_tokens", max_num_tokens, lim["max_num_tokens"])
@@ -413,7 +431,7 @@ def engine_dir_engine(engine_dir: str | Path, *, checkpoint: str | Path | None =
     tp = config["mapping"]["tp_size"]
     if cache_memory_gb is None and (num_blocks is None or max_slots is None):
         cache_memory_gb = DEFAULT_CACHE_MEMORY_GB
-    pools = size_pools(K3Caches.bytes_per_block(cfg, block_size, act), K3Caches.bytes_per_slot(cfg, act, tp),
+    pools = size_pools(K3Caches.bytes_per_block(cfg, block_size, act, kv), K3Caches.bytes_per_slot(cfg, act, tp),
                        block_size=block_size, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                        cache_memory_gb=cache_memory_gb, num_blocks=num_blocks, max_slots=max_slots,
                        prefix_cache=prefix_cache, snapshot_slots=snapshot_slots,
@@ -428,5 +446,5 @@ def engine_dir_engine(engine_dir: str | Path, *, checkpoint: str | Path | None =
     engine_config = EngineConfig(num_blocks=num_blocks, max_slots=max_slots, block_size=block_size,
                                  max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
                                  prefix_cache=prefix_cache, prefix_cache_interval=interval,
-                                 snapshot_slots=pools.snapshot_slots)
+                                 snapshot_slots=pools.snapshot_slots, kv_cache_dtype=engine_kv_cache_dtype(config))
     return start_engine(spec, make, cfg, engine_config, device, checkpoint, seed)

@@ -31,7 +31,8 @@ from ..checkpoint.rank_layout import RankLayout
 from ..export.exporter import OPSET
 from ..export.schemas import DOMAIN
 from ..export.segments import ATTN_BLOCKS, SegmentPlan, World, export_segments, weight_dtype
-from ..ops.contract import ALL_CONTRACTS, PLUGIN_NAMESPACE, PLUGIN_VERSION
+from ..model.caches import is_fp8_cache, kv_cache_label
+from ..ops.contract import ALL_CONTRACTS, MLA_PREFILL_FP8, PLUGIN_NAMESPACE, PLUGIN_VERSION
 from ..utils.atomic import atomic_output_dir, write_file
 from .profiles import DECODE, PREFILL, BuildLimits, profile_shapes
 from .segment_layout import CONFIG_VERSION, LAYOUT
@@ -45,13 +46,14 @@ def _versions(trt=None) -> dict[str, str]:
     return out
 
 
-def plugins_of(cfg: K3Config) -> list[str]:
-    """The plugins the segments of ``cfg`` hold (the prefill forms serve every step)."""
+def plugins_of(cfg: K3Config, fp8_cache: bool = False) -> list[str]:
+    """The plugins the segments of ``cfg`` hold (the prefill forms serve every step; MLA's
+    over the fp8 latent cache with ``fp8_cache``)."""
     names = []
     if cfg.kda is not None:
         names.append("K3KdaPrefill")
     if cfg.mla is not None:
-        names.append("K3MlaPrefill")
+        names.append(MLA_PREFILL_FP8.plugin if fp8_cache else "K3MlaPrefill")
     if cfg.moe is not None:
         names.append("K3SituMoeMxfp4" if cfg.moe.mxfp4 else "K3SituMoe")
     return names
@@ -108,10 +110,13 @@ def _all_feeds(plan: SegmentPlan, layers_json: list[dict]):
 def build_segmented_engine_dir(out_dir: str | Path, limits: BuildLimits, *, checkpoint: str | Path | None = None,
                                hf_config: str | Path | None = None, world: World | None = None,
                                dtype: torch.dtype = torch.bfloat16, builder: str = "auto",
-                               plugin_lib: str | Path | None = None, force: bool = False, log=None) -> Path:
+                               plugin_lib: str | Path | None = None, force: bool = False, log=None,
+                               kv_cache_dtype: str = "auto") -> Path:
     """Exactly one of ``checkpoint`` (a converted one: its config and mapping) and
-    ``hf_config`` (a config.json, with ``world``) says what to build for."""
+    ``hf_config`` (a config.json, with ``world``) says what to build for. ``kv_cache_dtype``
+    (``model/caches.py``) fixes the latent rows of the engine; config.json records them."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
+    fp8 = is_fp8_cache(kv_cache_dtype, dtype)
     if (checkpoint is None) == (hf_config is None):
         raise ValueError("give a converted checkpoint or --hf-config, not both")
     t0 = time.time()
@@ -129,9 +134,9 @@ def build_segmented_engine_dir(out_dir: str | Path, limits: BuildLimits, *, chec
     limits.validate(cfg)
     from .builder import open_builder
 
-    trt = open_builder(builder, plugin_lib, plugins_of(cfg), log)  # fail fast, before the export
+    trt = open_builder(builder, plugin_lib, plugins_of(cfg, fp8), log)  # fail fast, before the export
     log(f"build: {cfg.num_hidden_layers} layers, tp {world.tp}, ep {world.ep}, {str(dtype).removeprefix('torch.')}")
-    plan = SegmentPlan(cfg, world, dtype, limits.block_size)
+    plan = SegmentPlan(cfg, world, dtype, limits.block_size, kv_cache_dtype)
     layers_json = plan.layers_json()
     if checkpoint is not None:
         log(f"build: checking the rank files' headers of {checkpoint}")
@@ -164,6 +169,7 @@ def build_segmented_engine_dir(out_dir: str | Path, limits: BuildLimits, *, chec
             "hf_config": str(Path(hf_config).resolve()) if hf_config is not None else None,
             "model": cfg.text_dict(),
             "dtype": str(dtype).removeprefix("torch."),
+            "kv_cache_dtype": kv_cache_label(kv_cache_dtype, dtype),
             "mapping": world.mapping_json(),
             "limits": {"max_batch_size": limits.max_batch_size, "max_num_tokens": limits.max_num_tokens,
                        "max_seq_len": limits.max_seq_len, "block_size": limits.block_size,

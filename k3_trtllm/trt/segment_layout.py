@@ -20,12 +20,43 @@ def is_segmented_engine_dir(path: str | Path) -> bool:
     return isinstance(data, dict) and data.get("layout") == LAYOUT and data.get("architecture") == ARCHITECTURE
 
 
+def _engine_config(path: str | Path) -> dict:
+    """config.json of an engine dir; an unreadable or malformed one reads as {}, which the
+    engine's own loader then reports."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
 def engine_limits(path: str | Path) -> dict:
     """The step limits (max_batch_size, max_num_tokens, max_seq_len, block_size, ...) a
-    segmented engine dir was built for; an unreadable or malformed config reads as {}, which
-    the engine's own loader then reports."""
-    try:
-        limits = json.loads((Path(path) / "config.json").read_text()).get("limits")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-        return {}
+    segmented engine dir was built for ({} when unreadable, see ``_engine_config``)."""
+    limits = _engine_config(path).get("limits")
     return limits if isinstance(limits, dict) else {}
+
+
+def engine_kv_cache_dtype(config: dict) -> str | None:
+    """What an engine's latent rows hold: "fp8" or its activation dtype's name (engine dirs
+    from before the fp8 cache have no ``kv_cache_dtype`` field: theirs is the dtype)."""
+    return config.get("kv_cache_dtype", config.get("dtype"))
+
+
+def kv_cache_conflict(config: dict, given: str | None) -> str | None:
+    """Why ``--kv-cache-dtype given`` (None: not given) cannot run the engine of ``config``
+    (the rows are fixed at build), or None when it means the engine's own rows."""
+    if given is None:
+        return None
+    built = engine_kv_cache_dtype(config)
+    if {"auto": config.get("dtype"), "bf16": "bfloat16"}.get(given, given) == built:
+        return None
+    return (f"--kv-cache-dtype {given}: the engine is built with a{'n' if built == 'fp8' else ''} {built} latent "
+            f"cache (leave the flag out, or rebuild with `k3-trt build --kv-cache-dtype {given}`)")
+
+
+def engine_dir_kv_cache_conflict(path: str | Path, given: str | None) -> str | None:
+    """``kv_cache_conflict`` for the engine dir at ``path`` (None when its config is unreadable:
+    the engine's loader reports that)."""
+    config = _engine_config(path)
+    return kv_cache_conflict(config, given) if config else None

@@ -28,6 +28,12 @@ Params make_params(const K3KdaParams& a) {
   p.has_initial_state = a.has_initial_state;
   p.conv_state = static_cast<__nv_bfloat16*>(a.conv_state);
   p.recurrent_state = a.recurrent_state;
+  p.snapshot_offsets = a.snapshot_offsets;
+  p.snapshot_rows = a.snapshot_rows;
+  p.snapshot_conv = static_cast<__nv_bfloat16*>(a.snapshot_conv);
+  p.snapshot_recurrent = a.snapshot_recurrent;
+  p.snapshot_width = a.snapshot_width;
+  p.snapshot_slots = a.snapshot_slots;
   p.out = static_cast<__nv_bfloat16*>(a.out);
   p.num_seqs = a.num_seqs;
   p.num_heads = a.num_heads;
@@ -115,7 +121,14 @@ cudaError_t launch_chunked(const Params& p, void* workspace, int num_tokens, cud
 #endif
   prepare<<<pgrid, k3::kda::kPrepThreads, kPrepSmem, stream>>>(p, work, starts);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  // the prepare kernel has read the old conv state; the walk does not need it
+  // the prepare kernel has read the old conv state; the walk does not need it. The snapshots'
+  // conv states may reach into it, so they go first.
+  if (p.snapshot_width > 0) {
+    const int P3 = 3 * p.num_heads * D;
+    dim3 sgrid((P3 + 255) / 256, p.num_seqs, p.snapshot_width);
+    k3::kda::conv_snapshot_kernel<W><<<sgrid, 256, 0, stream>>>(p, P3);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
   if ((err = launch_conv_state<W>(p, D, stream)) != cudaSuccess) return err;
   const bool narrow = 2 * p.num_seqs * p.num_heads * (D / 32) <= sms;
 #ifdef K3_KDA_WALK_ONE_STAGE  // measurement build: one stage, 2 CTAs/SM at every length
@@ -201,7 +214,8 @@ int k3_kda_prefill(const K3KdaParams* a, cudaStream_t stream) {
 }
 
 // Decode / speculative verify: token recurrence, any number of tokens per sequence.
-// Same params as k3_kda_prefill; the workspace is not used (may be null).
+// Same params as k3_kda_prefill; the workspace is not used (may be null); takes no snapshots
+// (the snapshot fields are not read). Neither does k3_kda_prefill with the softplus gate.
 int k3_kda_decode(const K3KdaParams* a, cudaStream_t stream) {
   if (a == nullptr) return cudaErrorInvalidValue;
   const Launch l{false, nullptr, a->num_tokens, true};

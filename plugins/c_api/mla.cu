@@ -18,6 +18,12 @@
 // qk_nope_head_dim % 32 == 0, v_head_dim % 8 == 0, any block_size >= 1; every tensor
 // contiguous and 16-byte aligned. Other shapes return cudaErrorInvalidValue. The expanded
 // form needs (DN, DR, DV) in {(128, 64, 128), (32, 16, 32)}; other prefills run absorbed.
+//
+// The fp8 latent cache (K3MlaPrefillFp8 / K3MlaDecodeFp8, K3MlaFp8Params; k3/mla/fp8_latent.cuh):
+// the same launchers with the rows quantised on insert and dequantised on read (decode: into
+// the attention kernels' shared-memory tiles; expanded prefill: one bf16 row per pass key
+// before the expansion GEMM). Also needs scale_group % 16 == 0 dividing kv_lora_rank and rows
+// of a multiple of 16 bytes (K3: 656; the tiny model's 100-byte rows are refused).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -31,6 +37,7 @@
 #include "k3/mla_api.h"
 #include "k3/mla/flash_attention.cuh"
 #include "k3/mla/flash_attention_wgmma.cuh"
+#include "k3/mla/fp8_latent.cuh"
 #include "k3/mla/head_gemm.cuh"
 #include "k3/mla/insert.cuh"
 #include "k3/mla/latent_attention.cuh"
@@ -144,37 +151,68 @@ bool supported(int rank, int rope, int nope, int v_dim) {
   return dims && nope > 0 && nope % 32 == 0 && v_dim > 0 && v_dim % 8 == 0;
 }
 
-template <int R, int DR, int MT>
-cudaError_t launch_attention_mt(const k3::mla::LatentAttentionParams& p, cudaStream_t stream) {
-  using C = k3::mla::LatentAttentionConfig<R, DR, MT, kSmallTile, kSmallStages>;
-  auto kernel = k3::mla::latent_attention_kernel<R, DR, MT, kSmallTile, kSmallStages, kSmallCtasPerSm>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(C::SMEM_BYTES));
+// The fp8 cache's extra conditions (beyond supported()): scale groups of a multiple of 16
+// channels dividing the rank, a power of two (the readers shift; every Q dividing 512 or 64
+// is one), rows of a multiple of 16 bytes (bulk copies, 16-byte chunks).
+bool fp8_supported(int rank, int rope, int scale_group) {
+  return scale_group > 0 && scale_group % 16 == 0 && rank % scale_group == 0 &&
+         (scale_group & (scale_group - 1)) == 0 &&
+         k3::mla::fp8_row_bytes(rank, rope, scale_group) % 16 == 0;
+}
+
+// The fp8 cache's direct kernel (K3 latent, <= 16 heads, scale groups of 128 channels, K3's: the
+// MMAs read the raw stage, no bf16 tile) holds 3 raw 32-row stages (63 KB; 97 KB per CTA, 2
+// CTAs per SM) so that as many bytes are in flight as the bf16 ring's 2 x 37 KB. Other fp8
+// shapes dequantise each stage into a bf16 tile first (K3_MLA_FP8_SMEM_DEQUANT forces that
+// everywhere, for comparisons).
+#ifndef K3_MLA_FP8_STAGES
+#define K3_MLA_FP8_STAGES 3
+#endif
+constexpr int kSmallStagesFp8 = K3_MLA_FP8_STAGES;
+
+template <int R, int DR, int MT, int STAGES, bool FP8, bool DIRECT>
+cudaError_t launch_attention_kernel(const k3::mla::LatentAttentionParams& p, cudaStream_t stream) {
+  using C = k3::mla::LatentAttentionConfig<R, DR, MT, kSmallTile, STAGES, FP8, DIRECT>;
+  auto kernel = k3::mla::latent_attention_kernel<R, DR, MT, kSmallTile, STAGES, kSmallCtasPerSm, FP8, DIRECT>;
+  const size_t smem = C::smem_bytes(p.row_bytes);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return err;
   const int64_t ctas = static_cast<int64_t>(p.num_tokens) * p.num_splits * p.head_groups;
-  kernel<<<static_cast<unsigned>(ctas), C::THREADS, C::SMEM_BYTES, stream>>>(p);
+  kernel<<<static_cast<unsigned>(ctas), C::THREADS, smem, stream>>>(p);
   return cudaGetLastError();
 }
 
+template <int R, int DR, int MT, bool FP8>
+cudaError_t launch_attention_mt(const k3::mla::LatentAttentionParams& p, cudaStream_t stream) {
+#ifndef K3_MLA_FP8_SMEM_DEQUANT
+  if constexpr (FP8 && R == 512 && DR == 64 && MT == 1)
+    if (p.scale_group == 128) return launch_attention_kernel<R, DR, MT, kSmallStagesFp8, true, true>(p, stream);
+#endif
+  return launch_attention_kernel<R, DR, MT, kSmallStages, FP8, false>(p, stream);
+}
+
+template <bool FP8>
 cudaError_t launch_attention_wgmma(const k3::mla::LatentAttentionParams& p, cudaStream_t stream) {
   using C = k3::mla::WgmmaAttentionConfig;
-  cudaError_t err = cudaFuncSetAttribute(k3::mla::latent_attention_wgmma_kernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(C::SMEM_BYTES));
+  const size_t smem = FP8 ? C::fp8_smem_bytes(p.row_bytes) : C::SMEM_BYTES;
+  cudaError_t err = cudaFuncSetAttribute(k3::mla::latent_attention_wgmma_kernel<FP8>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return err;
   const int64_t ctas = static_cast<int64_t>(p.num_tokens) * p.num_splits * p.head_groups;
-  k3::mla::latent_attention_wgmma_kernel<<<static_cast<unsigned>(ctas), C::THREADS, C::SMEM_BYTES, stream>>>(p);
+  k3::mla::latent_attention_wgmma_kernel<FP8><<<static_cast<unsigned>(ctas), C::THREADS, smem, stream>>>(p);
   return cudaGetLastError();
 }
 
-template <int R, int DR>
+template <int R, int DR, bool FP8>
 cudaError_t launch_attention(const k3::mla::LatentAttentionParams& p, int heads_per_cta,
                              cudaStream_t stream) {
   cudaError_t err;
   if constexpr (R == 512)  // heads_per_cta() gives 16 or 64 for the K3 latent
-    err = heads_per_cta == 64 ? launch_attention_wgmma(p, stream) : launch_attention_mt<R, DR, 1>(p, stream);
+    err = heads_per_cta == 64 ? launch_attention_wgmma<FP8>(p, stream)
+                              : launch_attention_mt<R, DR, 1, FP8>(p, stream);
   else
-    err = heads_per_cta == 16 ? launch_attention_mt<R, DR, 1>(p, stream) : launch_attention_mt<R, DR, 2>(p, stream);
+    err = heads_per_cta == 16 ? launch_attention_mt<R, DR, 1, FP8>(p, stream)
+                              : launch_attention_mt<R, DR, 2, FP8>(p, stream);
   if (err != cudaSuccess || p.num_splits == 1) return err;
   const int64_t rows = static_cast<int64_t>(p.num_tokens) * p.num_heads;
   bool wide = false;  // the wgmma kernel's splits (up to kMaxCombineSplits) take the wide combine
@@ -191,16 +229,20 @@ cudaError_t launch_attention(const k3::mla::LatentAttentionParams& p, int heads_
   return cudaGetLastError();
 }
 
-// Absorbed attention in latent space: a_lat = softmax(scale·[q_lat|q_pe]·cacheᵀ)·c_kv.
+// Absorbed attention in latent space: a_lat = softmax(scale·[q_lat|q_pe]·cacheᵀ)·c_kv; over
+// the fp8 cache (rows of fp8_row_bytes) when scale_group > 0, else the bf16 one.
 cudaError_t latent_attention(const bf16* q_lat, const bf16* q, const int* cu_seqlens,
-                             const int* context_lens, const int* block_tables, const bf16* cache,
+                             const int* context_lens, const int* block_tables, const void* cache,
                              bf16* a_lat, const Workspace& ws, const SplitPlan& plan, int num_tokens,
                              int num_seqs, int max_blocks, int block_size, int num_heads, int nope,
-                             int rope, int rank, float softmax_scale, cudaStream_t stream) {
+                             int rope, int rank, float softmax_scale, int scale_group, cudaStream_t stream) {
   k3::mla::LatentAttentionParams p{};
   p.q_lat = q_lat;
   p.q = q;
-  p.cache = cache;
+  p.cache = static_cast<const bf16*>(cache);
+  p.cache8 = static_cast<const uint8_t*>(cache);
+  p.scale_group = scale_group;
+  p.row_bytes = scale_group > 0 ? k3::mla::fp8_row_bytes(rank, rope, scale_group) : 0;
   p.cu_seqlens = cu_seqlens;
   p.context_lens = context_lens;
   p.block_tables = block_tables;
@@ -218,8 +260,11 @@ cudaError_t latent_attention(const bf16* q_lat, const bf16* q, const int* cu_seq
   p.num_splits = plan.num_splits;
   p.split_tokens = plan.split_tokens;
   p.scale_log2 = softmax_scale * 1.4426950408889634f;
-  return rank == 512 ? launch_attention<512, 64>(p, plan.heads_per_cta, stream)
-                     : launch_attention<64, 16>(p, plan.heads_per_cta, stream);
+  if (scale_group > 0)
+    return rank == 512 ? launch_attention<512, 64, true>(p, plan.heads_per_cta, stream)
+                       : launch_attention<64, 16, true>(p, plan.heads_per_cta, stream);
+  return rank == 512 ? launch_attention<512, 64, false>(p, plan.heads_per_cta, stream)
+                     : launch_attention<64, 16, false>(p, plan.heads_per_cta, stream);
 }
 
 template <bool kBStoredNK>
@@ -230,8 +275,23 @@ cudaError_t head_gemm(const k3::mla::HeadGemmParams& p, int heads, cudaStream_t 
   return cudaGetLastError();
 }
 
-// The absorbed form of every launcher (k3/params.h K3MlaParams, the contract's names).
-cudaError_t mla_forward(const K3MlaParams& p, cudaStream_t stream) {
+// This step's latent rows into the cache: copied (bf16 cache) or quantised (scale_group > 0).
+cudaError_t insert_latents(const void* latent, const int* slot_mapping, void* cache, int num_tokens, int rank,
+                           int rope, int scale_group, cudaStream_t stream) {
+  if (scale_group > 0) {
+    const size_t smem = (rank / 4 + rank / scale_group) * sizeof(float);
+    k3::mla::insert_latents_fp8_kernel<<<num_tokens, rank / 4, smem, stream>>>(
+        static_cast<const bf16*>(latent), slot_mapping, static_cast<uint8_t*>(cache), rank, rope, scale_group);
+  } else {
+    k3::mla::insert_latents_kernel<<<num_tokens, 64, 0, stream>>>(static_cast<const bf16*>(latent), slot_mapping,
+                                                                   static_cast<bf16*>(cache), rank + rope);
+  }
+  return cudaGetLastError();
+}
+
+// The absorbed form of every launcher (k3/params.h K3MlaParams, the contract's names); the
+// fp8 cache's when scale_group > 0 (the K3MlaFp8Params launchers, as_bf16_params).
+cudaError_t mla_forward(const K3MlaParams& p, int scale_group, cudaStream_t stream) {
   const void *q = p.q, *latent = p.latent, *w_uk = p.w_uk, *w_uv = p.w_uv;
   const int *cu_seqlens = p.cu_seqlens, *context_lens = p.context_lens, *block_tables = p.block_tables;
   const int* slot_mapping = p.slot_mapping;
@@ -241,20 +301,16 @@ cudaError_t mla_forward(const K3MlaParams& p, cudaStream_t stream) {
   const int v_dim = p.v_head_dim;
   const float softmax_scale = p.softmax_scale;
   const size_t workspace_bytes = p.workspace_bytes;
-  if (!supported(rank, rope, nope, v_dim) || num_heads <= 0 || num_seqs <= 0 || block_size <= 0 ||
-      max_blocks <= 0 || num_tokens < 0)
+  if (!supported(rank, rope, nope, v_dim) || (scale_group != 0 && !fp8_supported(rank, rope, scale_group)) ||
+      num_heads <= 0 || num_seqs <= 0 || block_size <= 0 || max_blocks <= 0 || num_tokens < 0)
     return cudaErrorInvalidValue;
   if (num_tokens == 0) return cudaSuccess;
   const SplitPlan plan = plan_splits(num_tokens, num_heads, rank, max_blocks, block_size);
   const Workspace ws = carve(workspace, num_tokens, num_heads, rank, plan);
   if (workspace == nullptr || workspace_bytes < ws.bytes) return cudaErrorInvalidValue;
-  const int width = rank + rope;
   const bf16* qb = static_cast<const bf16*>(q);
-  bf16* cache = static_cast<bf16*>(latent_cache);
 
-  k3::mla::insert_latents_kernel<<<num_tokens, 64, 0, stream>>>(static_cast<const bf16*>(latent), slot_mapping,
-                                                                 cache, width);
-  cudaError_t err = cudaGetLastError();
+  cudaError_t err = insert_latents(latent, slot_mapping, latent_cache, num_tokens, rank, rope, scale_group, stream);
   if (err != cudaSuccess) return err;
 
   k3::mla::HeadGemmParams absorb{};
@@ -272,9 +328,9 @@ cudaError_t mla_forward(const K3MlaParams& p, cudaStream_t stream) {
   absorb.k = nope;
   if ((err = head_gemm<false>(absorb, num_heads, stream)) != cudaSuccess) return err;
 
-  err = latent_attention(ws.q_lat, qb, cu_seqlens, context_lens, block_tables, cache, ws.a_lat, ws, plan,
+  err = latent_attention(ws.q_lat, qb, cu_seqlens, context_lens, block_tables, latent_cache, ws.a_lat, ws, plan,
                          num_tokens, num_seqs, max_blocks, block_size, num_heads, nope, rope, rank,
-                         softmax_scale, stream);
+                         softmax_scale, scale_group, stream);
   if (err != cudaSuccess) return err;
 
   k3::mla::HeadGemmParams up{};
@@ -334,11 +390,12 @@ struct ExpandedLayout {
   bf16* k_pe;
   float* acc;      // several passes only
   float* acc_lse;  // several passes only
+  bf16* flat;      // fp8 cache only: the pass's keys dequantised, [pass_keys, R+DR]
   size_t bytes;
 };
 
 ExpandedLayout carve_expanded(void* base, int num_tokens, int num_seqs, int num_heads, int nope, int rope,
-                              int v_dim, int64_t pass_keys, bool several_passes) {
+                              int v_dim, int64_t pass_keys, bool several_passes, int flat_width) {
   const size_t keys = static_cast<size_t>(pass_keys);
   const size_t acc_rows = several_passes ? static_cast<size_t>(num_tokens) * num_heads : 0;
   k3::WorkspaceCarver c(base);
@@ -350,6 +407,7 @@ ExpandedLayout carve_expanded(void* base, int num_tokens, int num_seqs, int num_
   l.k_pe = c.take<bf16>(keys * rope);
   l.acc = c.take<float>(acc_rows * v_dim);
   l.acc_lse = c.take<float>(acc_rows);
+  l.flat = c.take<bf16>(keys * flat_width);
   l.bytes = c.used();
   return l;
 }
@@ -366,24 +424,26 @@ struct ExpandedPlan {
 // new_b) <= B · max_blocks · block_size (the host cannot read the lengths; passes past the
 // real end cost one early exit per CTA). One pass if the bound fits the cap and the
 // workspace; otherwise passes of the cap (or key_chunk, for tests), shrunk to fit
-// `available` bytes.
+// `available` bytes. flat_width: R+DR for the fp8 cache (its dequantised pass rows), else 0.
 ExpandedPlan plan_expanded(int num_tokens, int num_seqs, int num_heads, int nope, int rope, int v_dim,
-                           int max_blocks, int block_size, size_t available, int key_chunk) {
+                           int max_blocks, int block_size, size_t available, int key_chunk, int flat_width) {
   ExpandedPlan plan{};
   const int64_t key_bound = static_cast<int64_t>(num_seqs) * max_blocks * block_size;
   if (key_bound > INT_MAX / 2) return plan;
-  const int64_t per_key = static_cast<int64_t>(num_heads) * (nope + v_dim) * 2 + rope * 2;
+  const int64_t per_key = static_cast<int64_t>(num_heads) * (nope + v_dim) * 2 + rope * 2 + flat_width * 2;
   const int64_t cap = key_chunk > 0 ? (static_cast<int64_t>(key_chunk) + kPassKeysAlign - 1) / kPassKeysAlign * kPassKeysAlign
                                     : std::max<int64_t>(kPassKeysAlign, static_cast<int64_t>(kPassBufferBytes) / per_key /
                                                                             kPassKeysAlign * kPassKeysAlign);
   const int64_t whole = (key_bound + kPassKeysAlign - 1) / kPassKeysAlign * kPassKeysAlign;
   int64_t keys = whole;
   bool several = whole > cap;
-  if (!several && carve_expanded(nullptr, num_tokens, num_seqs, num_heads, nope, rope, v_dim, whole, false).bytes >
+  if (!several &&
+      carve_expanded(nullptr, num_tokens, num_seqs, num_heads, nope, rope, v_dim, whole, false, flat_width).bytes >
                       available)
     several = true;
   if (several) {
-    const size_t fixed = carve_expanded(nullptr, num_tokens, num_seqs, num_heads, nope, rope, v_dim, 0, true).bytes;
+    const size_t fixed =
+        carve_expanded(nullptr, num_tokens, num_seqs, num_heads, nope, rope, v_dim, 0, true, flat_width).bytes;
     if (available < fixed + 3 * 256) return plan;
     const int64_t fit = static_cast<int64_t>((available - fixed - 3 * 256) / per_key) / kPassKeysAlign * kPassKeysAlign;
     keys = std::min(cap, fit);
@@ -392,7 +452,8 @@ ExpandedPlan plan_expanded(int num_tokens, int num_seqs, int num_heads, int nope
   plan.several_passes = several;
   plan.pass_keys = static_cast<int>(keys);
   plan.passes = static_cast<int>((key_bound + keys - 1) / keys);
-  plan.bytes = carve_expanded(nullptr, num_tokens, num_seqs, num_heads, nope, rope, v_dim, keys, several).bytes;
+  plan.bytes =
+      carve_expanded(nullptr, num_tokens, num_seqs, num_heads, nope, rope, v_dim, keys, several, flat_width).bytes;
   plan.ok = plan.bytes <= available;
   return plan;
 }
@@ -429,41 +490,45 @@ cudaError_t launch_flash_wgmma(const k3::mla::FlashParams& p, cudaStream_t strea
   return launch_persistent_flash<k3::mla::FlashWgmmaConfig>(k3::mla::flash_prefill_wgmma_kernel, p, stream);
 }
 
-// The expanded prefill of `plan` (k3/params.h K3MlaParams, the contract's names).
-cudaError_t expanded_forward(const K3MlaParams& p, const ExpandedPlan& plan, cudaStream_t stream) {
+// The expanded prefill of `plan` (k3/params.h K3MlaParams, the contract's names); over the
+// fp8 cache when scale_group > 0 (plan made with flat_width R+DR).
+cudaError_t expanded_forward(const K3MlaParams& p, int scale_group, const ExpandedPlan& plan, cudaStream_t stream) {
   const bf16 *q = static_cast<const bf16*>(p.q), *latent = static_cast<const bf16*>(p.latent);
   const bf16 *w_uk = static_cast<const bf16*>(p.w_uk), *w_uv = static_cast<const bf16*>(p.w_uv);
   const int *cu_seqlens = p.cu_seqlens, *context_lens = p.context_lens, *block_tables = p.block_tables;
   const int* slot_mapping = p.slot_mapping;
-  bf16 *cache = static_cast<bf16*>(p.latent_cache), *out = static_cast<bf16*>(p.out);
+  bf16* out = static_cast<bf16*>(p.out);
   const int num_tokens = p.num_tokens, num_seqs = p.num_seqs, max_blocks = p.max_blocks, block_size = p.block_size;
   const int num_heads = p.num_heads, nope = p.qk_nope_head_dim, rope = p.qk_rope_head_dim, rank = p.kv_lora_rank;
   const int v_dim = p.v_head_dim;
   const float softmax_scale = p.softmax_scale;
   void* workspace = p.workspace;
+  const bool fp8 = scale_group > 0;
   const ExpandedLayout l = carve_expanded(workspace, num_tokens, num_seqs, num_heads, nope, rope, v_dim,
-                                          plan.pass_keys, plan.several_passes);
+                                          plan.pass_keys, plan.several_passes, fp8 ? rank + rope : 0);
   const int wide_rows = k3::mla::FlashConfig<128, 64, 128, 2>::BM;
   const bool wide = static_cast<int64_t>((num_tokens + wide_rows - 1) / wide_rows + num_seqs) * num_heads >=
                     static_cast<int64_t>(kWideItemsPerSm) * sm_count();
   const bool wgmma = kFlashWgmma && nope == k3::mla::FlashWgmmaConfig::DN;
   const int tile_rows = wgmma ? k3::mla::FlashWgmmaConfig::BM
                               : wide ? wide_rows : k3::mla::FlashConfig<128, 64, 128, 1>::BM;
-  k3::mla::insert_latents_kernel<<<num_tokens, 64, 0, stream>>>(latent, slot_mapping, cache, rank + rope);
+  cudaError_t err = insert_latents(latent, slot_mapping, p.latent_cache, num_tokens, rank, rope, scale_group, stream);
+  if (err != cudaSuccess) return err;
   k3::mla::prefill_offsets_kernel<<<1, 256, 0, stream>>>(cu_seqlens, context_lens, num_seqs, tile_rows,
                                                          l.key_offsets, l.tile_offsets);
   const int64_t rows = static_cast<int64_t>(num_tokens) * num_heads;
   if (plan.several_passes)
     k3::mla::fill_neg_inf_kernel<<<static_cast<unsigned>(std::min<int64_t>((rows + 255) / 256, 4096)), 256, 0,
                                    stream>>>(l.acc_lse, rows);
-  cudaError_t err = cudaGetLastError();
+  err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   err = cudaFuncSetAttribute(k3::mla::expand_latents_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(k3::mla::kExpandSmemBytes));
   if (err != cudaSuccess) return err;
 
   k3::mla::ExpandParams e{};
-  e.cache = cache;
+  e.cache = fp8 ? nullptr : static_cast<const bf16*>(p.latent_cache);
+  e.flat = fp8 ? l.flat : nullptr;
   e.block_tables = block_tables;
   e.key_offsets = l.key_offsets;
   e.w_uk = w_uk;
@@ -502,8 +567,25 @@ cudaError_t expanded_forward(const K3MlaParams& p, const ExpandedPlan& plan, cud
   f.pass_keys = plan.pass_keys;
   f.scale_log2 = softmax_scale * 1.4426950408889634f;
 
+  k3::mla::DequantPassParams d{};
+  d.cache = static_cast<const uint8_t*>(p.latent_cache);
+  d.block_tables = block_tables;
+  d.key_offsets = l.key_offsets;
+  d.flat = l.flat;
+  d.num_seqs = num_seqs;
+  d.max_blocks = max_blocks;
+  d.block_size = block_size;
+  d.rank = rank;
+  d.rope = rope;
+  d.scale_group = scale_group;
+  d.pass_keys = plan.pass_keys;
   for (int pass = 0; pass < plan.passes; ++pass) {
-    e.pass_begin = f.pass_begin = pass * plan.pass_keys;
+    e.pass_begin = f.pass_begin = d.pass_begin = pass * plan.pass_keys;
+    if (fp8) {  // 8 keys (warps) per block
+      const int64_t blocks = std::min<int64_t>((plan.pass_keys + 7) / 8, 8 * sm_count());
+      k3::mla::dequantize_pass_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(d);
+      if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    }
     k3::mla::expand_latents_kernel<<<expand_grid, k3::mla::kExpandThreads, k3::mla::kExpandSmemBytes, stream>>>(e);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
     if (wgmma)
@@ -524,85 +606,200 @@ bool valid_sizes(int num_tokens, int num_seqs, int max_blocks, int block_size, i
   return num_heads > 0 && num_seqs > 0 && block_size > 0 && max_blocks > 0 && num_tokens >= 0;
 }
 
+// A K3MlaFp8Params call as the K3MlaParams the launchers share (the same fields in the same
+// order, less scale_group, which the launchers take beside it).
+K3MlaParams as_bf16_params(const K3MlaFp8Params& f) {
+  K3MlaParams p{};
+  p.q = f.q;
+  p.latent = f.latent;
+  p.w_uk = f.w_uk;
+  p.w_uv = f.w_uv;
+  p.cu_seqlens = f.cu_seqlens;
+  p.context_lens = f.context_lens;
+  p.block_tables = f.block_tables;
+  p.slot_mapping = f.slot_mapping;
+  p.latent_cache = f.latent_cache;
+  p.out = f.out;
+  p.workspace = f.workspace;
+  p.workspace_bytes = f.workspace_bytes;
+  p.num_tokens = f.num_tokens;
+  p.num_seqs = f.num_seqs;
+  p.max_blocks = f.max_blocks;
+  p.block_size = f.block_size;
+  p.num_heads = f.num_heads;
+  p.qk_nope_head_dim = f.qk_nope_head_dim;
+  p.qk_rope_head_dim = f.qk_rope_head_dim;
+  p.kv_lora_rank = f.kv_lora_rank;
+  p.v_head_dim = f.v_head_dim;
+  p.softmax_scale = f.softmax_scale;
+  p.key_chunk = f.key_chunk;
+  return p;
+}
+
+// flat_width: R+DR for the fp8 cache (the expanded form's dequantised pass rows), else 0.
+int uses_expanded(int num_tokens, int num_seqs, int num_heads, int nope, int rope, int rank, int v_dim,
+                  int max_blocks, int block_size, size_t workspace_bytes, int flat_width) {
+  if (!valid_sizes(num_tokens, num_seqs, max_blocks, block_size, num_heads) || num_tokens == 0 ||
+      !expanded_supported(rank, rope, nope, v_dim) || !prefer_expanded(num_tokens, num_seqs))
+    return 0;
+  return plan_expanded(num_tokens, num_seqs, num_heads, nope, rope, v_dim, max_blocks, block_size, workspace_bytes, 0,
+                       flat_width)
+      .ok;
+}
+
+size_t decode_workspace_size(int num_tokens, int num_heads, int rank, int max_blocks, int block_size) {
+  if (num_tokens <= 0 || num_heads <= 0 || max_blocks <= 0 || block_size <= 0) return 0;
+  const SplitPlan plan = plan_splits(num_tokens, num_heads, rank, max_blocks, block_size);
+  return carve(nullptr, num_tokens, num_heads, rank, plan).bytes;
+}
+
+size_t prefill_workspace_size(int num_tokens, int num_seqs, int num_heads, int nope, int rope, int rank, int v_dim,
+                              int max_blocks, int block_size, int flat_width) {
+  if (uses_expanded(num_tokens, num_seqs, num_heads, nope, rope, rank, v_dim, max_blocks, block_size, SIZE_MAX,
+                    flat_width))
+    return plan_expanded(num_tokens, num_seqs, num_heads, nope, rope, v_dim, max_blocks, block_size, SIZE_MAX, 0,
+                         flat_width)
+        .bytes;
+  return decode_workspace_size(num_tokens, num_heads, rank, max_blocks, block_size);
+}
+
+size_t expanded_workspace_size(int num_tokens, int num_seqs, int num_heads, int nope, int rope, int rank, int v_dim,
+                               int max_blocks, int block_size, int key_chunk, int flat_width) {
+  if (!valid_sizes(num_tokens, num_seqs, max_blocks, block_size, num_heads) ||
+      !expanded_supported(rank, rope, nope, v_dim))
+    return 0;
+  const ExpandedPlan plan = plan_expanded(num_tokens, num_seqs, num_heads, nope, rope, v_dim, max_blocks, block_size,
+                                          SIZE_MAX, key_chunk, flat_width);
+  return plan.ok ? plan.bytes : 0;
+}
+
+// The expanded form where uses_expanded says so, else the absorbed one.
+int prefill(const K3MlaParams& p, int scale_group, cudaStream_t stream) {
+  const int flat_width = scale_group > 0 ? p.kv_lora_rank + p.qk_rope_head_dim : 0;
+  if (scale_group != 0 && !fp8_supported(p.kv_lora_rank, p.qk_rope_head_dim, scale_group))
+    return cudaErrorInvalidValue;
+  if (p.workspace != nullptr && p.num_tokens > 0 &&
+      uses_expanded(p.num_tokens, p.num_seqs, p.num_heads, p.qk_nope_head_dim, p.qk_rope_head_dim, p.kv_lora_rank,
+                    p.v_head_dim, p.max_blocks, p.block_size, p.workspace_bytes, flat_width)) {
+    const ExpandedPlan plan = plan_expanded(p.num_tokens, p.num_seqs, p.num_heads, p.qk_nope_head_dim,
+                                            p.qk_rope_head_dim, p.v_head_dim, p.max_blocks, p.block_size,
+                                            p.workspace_bytes, 0, flat_width);
+    return expanded_forward(p, scale_group, plan, stream);
+  }
+  return mla_forward(p, scale_group, stream);
+}
+
+int prefill_expanded(const K3MlaParams& p, int scale_group, cudaStream_t stream) {
+  if (!valid_sizes(p.num_tokens, p.num_seqs, p.max_blocks, p.block_size, p.num_heads) ||
+      !expanded_supported(p.kv_lora_rank, p.qk_rope_head_dim, p.qk_nope_head_dim, p.v_head_dim) ||
+      (scale_group != 0 && !fp8_supported(p.kv_lora_rank, p.qk_rope_head_dim, scale_group)))
+    return cudaErrorInvalidValue;
+  if (p.num_tokens == 0) return cudaSuccess;
+  const ExpandedPlan plan = plan_expanded(p.num_tokens, p.num_seqs, p.num_heads, p.qk_nope_head_dim,
+                                          p.qk_rope_head_dim, p.v_head_dim, p.max_blocks, p.block_size,
+                                          p.workspace_bytes, p.key_chunk,
+                                          scale_group > 0 ? p.kv_lora_rank + p.qk_rope_head_dim : 0);
+  if (p.workspace == nullptr || !plan.ok) return cudaErrorInvalidValue;
+  return expanded_forward(p, scale_group, plan, stream);
+}
+
+int latent_attention_entry(const void* q_lat, const void* q, const int* cu_seqlens, const int* context_lens,
+                           const int* block_tables, const void* latent_cache, void* a_lat, int num_tokens,
+                           int num_seqs, int max_blocks, int block_size, int num_heads, int nope, int rope, int rank,
+                           float softmax_scale, int scale_group, void* workspace, size_t workspace_bytes,
+                           cudaStream_t stream) {
+  if (!supported(rank, rope, nope, 8) || (scale_group != 0 && !fp8_supported(rank, rope, scale_group)) ||
+      num_heads <= 0 || num_seqs <= 0 || block_size <= 0 || max_blocks <= 0 || num_tokens < 0)
+    return cudaErrorInvalidValue;
+  if (num_tokens == 0) return cudaSuccess;
+  const SplitPlan plan = plan_splits(num_tokens, num_heads, rank, max_blocks, block_size);
+  const Workspace ws = carve(workspace, num_tokens, num_heads, rank, plan);
+  if (workspace == nullptr || workspace_bytes < ws.bytes) return cudaErrorInvalidValue;
+  return latent_attention(static_cast<const bf16*>(q_lat), static_cast<const bf16*>(q), cu_seqlens, context_lens,
+                          block_tables, latent_cache, static_cast<bf16*>(a_lat), ws, plan, num_tokens, num_seqs,
+                          max_blocks, block_size, num_heads, nope, rope, rank, softmax_scale, scale_group, stream);
+}
+
+// The fp8 launchers need a positive scale_group: 0 would read the byte cache as bf16.
+bool fp8_call_ok(const K3MlaFp8Params* p) { return p != nullptr && p->scale_group > 0; }
+
 }  // namespace
 
 extern "C" {
 
 void k3_mla_set_batch_invariant(int enabled) { g_batch_invariant.store(enabled != 0, std::memory_order_relaxed); }
 
-// Workspace bytes of k3_mla_decode, and enough for k3_mla_prefill (its expanded form fits
-// its key passes into whatever it is given); k3_mla_prefill_workspace_size is the prefill's own need.
+// Workspace bytes of k3_mla_decode[_fp8], and enough for k3_mla_prefill[_fp8] too (the
+// expanded form fits its key passes into whatever it is given).
 size_t k3_mla_workspace_size(int num_tokens, int num_heads, int kv_lora_rank, int max_blocks, int block_size) {
-  if (num_tokens <= 0 || num_heads <= 0 || max_blocks <= 0 || block_size <= 0) return 0;
-  const SplitPlan plan = plan_splits(num_tokens, num_heads, kv_lora_rank, max_blocks, block_size);
-  return carve(nullptr, num_tokens, num_heads, kv_lora_rank, plan).bytes;
+  return decode_workspace_size(num_tokens, num_heads, kv_lora_rank, max_blocks, block_size);
 }
 
 // The absorbed form.
 int k3_mla_decode(const K3MlaParams* p, cudaStream_t stream) {
-  return p == nullptr ? cudaErrorInvalidValue : mla_forward(*p, stream);
+  return p == nullptr ? cudaErrorInvalidValue : mla_forward(*p, 0, stream);
 }
 
-// The expanded form where k3_mla_prefill_uses_expanded says so, else the absorbed one.
+int k3_mla_decode_fp8(const K3MlaFp8Params* p, cudaStream_t stream) {
+  return fp8_call_ok(p) ? mla_forward(as_bf16_params(*p), p->scale_group, stream) : cudaErrorInvalidValue;
+}
+
 int k3_mla_prefill(const K3MlaParams* p, cudaStream_t stream) {
-  if (p == nullptr) return cudaErrorInvalidValue;
-  if (p->workspace != nullptr && p->num_tokens > 0 &&
-      valid_sizes(p->num_tokens, p->num_seqs, p->max_blocks, p->block_size, p->num_heads) &&
-      k3_mla_prefill_uses_expanded(p->num_tokens, p->num_seqs, p->num_heads, p->qk_nope_head_dim,
-                                   p->qk_rope_head_dim, p->kv_lora_rank, p->v_head_dim, p->max_blocks, p->block_size,
-                                   p->workspace_bytes)) {
-    const ExpandedPlan plan = plan_expanded(p->num_tokens, p->num_seqs, p->num_heads, p->qk_nope_head_dim,
-                                            p->qk_rope_head_dim, p->v_head_dim, p->max_blocks, p->block_size,
-                                            p->workspace_bytes, 0);
-    return expanded_forward(*p, plan, stream);
-  }
-  return mla_forward(*p, stream);
+  return p == nullptr ? cudaErrorInvalidValue : prefill(*p, 0, stream);
+}
+
+int k3_mla_prefill_fp8(const K3MlaFp8Params* p, cudaStream_t stream) {
+  return fp8_call_ok(p) ? prefill(as_bf16_params(*p), p->scale_group, stream) : cudaErrorInvalidValue;
 }
 
 int k3_mla_prefill_uses_expanded(int num_tokens, int num_seqs, int num_heads, int qk_nope_head_dim,
                                  int qk_rope_head_dim, int kv_lora_rank, int v_head_dim, int max_blocks,
                                  int block_size, size_t workspace_bytes) {
-  if (!valid_sizes(num_tokens, num_seqs, max_blocks, block_size, num_heads) || num_tokens == 0 ||
-      !expanded_supported(kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim) ||
-      !prefer_expanded(num_tokens, num_seqs))
-    return 0;
-  return plan_expanded(num_tokens, num_seqs, num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, max_blocks,
-                       block_size, workspace_bytes, 0)
-      .ok;
+  return uses_expanded(num_tokens, num_seqs, num_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, v_head_dim,
+                       max_blocks, block_size, workspace_bytes, 0);
+}
+
+int k3_mla_prefill_fp8_uses_expanded(int num_tokens, int num_seqs, int num_heads, int qk_nope_head_dim,
+                                     int qk_rope_head_dim, int kv_lora_rank, int v_head_dim, int max_blocks,
+                                     int block_size, size_t workspace_bytes) {
+  return uses_expanded(num_tokens, num_seqs, num_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, v_head_dim,
+                       max_blocks, block_size, workspace_bytes, kv_lora_rank + qk_rope_head_dim);
 }
 
 size_t k3_mla_prefill_workspace_size(int num_tokens, int num_seqs, int num_heads, int qk_nope_head_dim,
                                      int qk_rope_head_dim, int kv_lora_rank, int v_head_dim, int max_blocks,
                                      int block_size) {
-  if (k3_mla_prefill_uses_expanded(num_tokens, num_seqs, num_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank,
-                                   v_head_dim, max_blocks, block_size, SIZE_MAX))
-    return plan_expanded(num_tokens, num_seqs, num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, max_blocks,
-                         block_size, SIZE_MAX, 0)
-        .bytes;
-  return k3_mla_workspace_size(num_tokens, num_heads, kv_lora_rank, max_blocks, block_size);
+  return prefill_workspace_size(num_tokens, num_seqs, num_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank,
+                                v_head_dim, max_blocks, block_size, 0);
+}
+
+size_t k3_mla_prefill_fp8_workspace_size(int num_tokens, int num_seqs, int num_heads, int qk_nope_head_dim,
+                                         int qk_rope_head_dim, int kv_lora_rank, int v_head_dim, int max_blocks,
+                                         int block_size) {
+  return prefill_workspace_size(num_tokens, num_seqs, num_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank,
+                                v_head_dim, max_blocks, block_size, kv_lora_rank + qk_rope_head_dim);
 }
 
 size_t k3_mla_prefill_expanded_workspace_size(int num_tokens, int num_seqs, int num_heads, int qk_nope_head_dim,
                                               int qk_rope_head_dim, int kv_lora_rank, int v_head_dim,
                                               int max_blocks, int block_size, int key_chunk) {
-  if (!valid_sizes(num_tokens, num_seqs, max_blocks, block_size, num_heads) ||
-      !expanded_supported(kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim))
-    return 0;
-  const ExpandedPlan plan = plan_expanded(num_tokens, num_seqs, num_heads, qk_nope_head_dim, qk_rope_head_dim,
-                                          v_head_dim, max_blocks, block_size, SIZE_MAX, key_chunk);
-  return plan.ok ? plan.bytes : 0;
+  return expanded_workspace_size(num_tokens, num_seqs, num_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank,
+                                 v_head_dim, max_blocks, block_size, key_chunk, 0);
+}
+
+size_t k3_mla_prefill_expanded_fp8_workspace_size(int num_tokens, int num_seqs, int num_heads, int qk_nope_head_dim,
+                                                  int qk_rope_head_dim, int kv_lora_rank, int v_head_dim,
+                                                  int max_blocks, int block_size, int key_chunk) {
+  return expanded_workspace_size(num_tokens, num_seqs, num_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank,
+                                 v_head_dim, max_blocks, block_size, key_chunk, kv_lora_rank + qk_rope_head_dim);
 }
 
 int k3_mla_prefill_expanded(const K3MlaParams* p, cudaStream_t stream) {
-  if (p == nullptr || !valid_sizes(p->num_tokens, p->num_seqs, p->max_blocks, p->block_size, p->num_heads) ||
-      !expanded_supported(p->kv_lora_rank, p->qk_rope_head_dim, p->qk_nope_head_dim, p->v_head_dim))
-    return cudaErrorInvalidValue;
-  if (p->num_tokens == 0) return cudaSuccess;
-  const ExpandedPlan plan = plan_expanded(p->num_tokens, p->num_seqs, p->num_heads, p->qk_nope_head_dim,
-                                          p->qk_rope_head_dim, p->v_head_dim, p->max_blocks, p->block_size,
-                                          p->workspace_bytes, p->key_chunk);
-  if (p->workspace == nullptr || !plan.ok) return cudaErrorInvalidValue;
-  return expanded_forward(*p, plan, stream);
+  return p == nullptr ? cudaErrorInvalidValue : prefill_expanded(*p, 0, stream);
+}
+
+int k3_mla_prefill_expanded_fp8(const K3MlaFp8Params* p, cudaStream_t stream) {
+  return fp8_call_ok(p) ? prefill_expanded(as_bf16_params(*p), p->scale_group, stream) : cudaErrorInvalidValue;
 }
 
 // The attention part alone (FlashMLA's scope), for benchmarks and callers that do the W_UK /
@@ -612,17 +809,20 @@ int k3_mla_latent_attention(const void* q_lat, const void* q, const int* cu_seql
                             int num_seqs, int max_blocks, int block_size, int num_heads, int qk_nope_head_dim,
                             int qk_rope_head_dim, int kv_lora_rank, float softmax_scale, void* workspace,
                             size_t workspace_bytes, cudaStream_t stream) {
-  if (!supported(kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, 8) || num_heads <= 0 || num_seqs <= 0 ||
-      block_size <= 0 || max_blocks <= 0 || num_tokens < 0)
-    return cudaErrorInvalidValue;
-  if (num_tokens == 0) return cudaSuccess;
-  const SplitPlan plan = plan_splits(num_tokens, num_heads, kv_lora_rank, max_blocks, block_size);
-  const Workspace ws = carve(workspace, num_tokens, num_heads, kv_lora_rank, plan);
-  if (workspace == nullptr || workspace_bytes < ws.bytes) return cudaErrorInvalidValue;
-  return latent_attention(static_cast<const bf16*>(q_lat), static_cast<const bf16*>(q), cu_seqlens, context_lens,
-                          block_tables, static_cast<const bf16*>(latent_cache), static_cast<bf16*>(a_lat), ws, plan,
-                          num_tokens, num_seqs, max_blocks, block_size, num_heads, qk_nope_head_dim,
-                          qk_rope_head_dim, kv_lora_rank, softmax_scale, stream);
+  return latent_attention_entry(q_lat, q, cu_seqlens, context_lens, block_tables, latent_cache, a_lat, num_tokens,
+                                num_seqs, max_blocks, block_size, num_heads, qk_nope_head_dim, qk_rope_head_dim,
+                                kv_lora_rank, softmax_scale, 0, workspace, workspace_bytes, stream);
+}
+
+int k3_mla_latent_attention_fp8(const void* q_lat, const void* q, const int* cu_seqlens, const int* context_lens,
+                                const int* block_tables, const void* latent_cache, void* a_lat, int num_tokens,
+                                int num_seqs, int max_blocks, int block_size, int num_heads, int qk_nope_head_dim,
+                                int qk_rope_head_dim, int kv_lora_rank, float softmax_scale, int scale_group,
+                                void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  if (scale_group <= 0) return cudaErrorInvalidValue;
+  return latent_attention_entry(q_lat, q, cu_seqlens, context_lens, block_tables, latent_cache, a_lat, num_tokens,
+                                num_seqs, max_blocks, block_size, num_heads, qk_nope_head_dim, qk_rope_head_dim,
+                                kv_lora_rank, softmax_scale, scale_group, workspace, workspace_bytes, stream);
 }
 
 }  // extern "C"

@@ -191,12 +191,35 @@ void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStre
   cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
 }
 
+// MXFP4: the wide slab (32 elements, 16 bytes per lane and row) for the 8-row tiles (T <= 8) of
+// each GEMV whose K allows it and whose codes and scales start 16-byte aligned (its 16-byte
+// loads; torch allocations are). The 16-row tiles (two n tiles) keep the narrow slab: wide
+// measured 4-6% slower there at K3 sizes (bench/NOTES_moe.md, session 16).
+bool decode_wide(int K, const ExpertWeights& ew) {
+  const auto misaligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 != 0; };
+  return decode_wide_applies(K) && !misaligned(ew.packed) && !misaligned(ew.scale);
+}
+
 template <bool kMxfp4, int kTiles>
 void launch_decode(const MoeArgs& a, const Workspace& w, int tiles) {
-  launch_dependent(gate_up_decode_kernel<kMxfp4, kTiles>, dim3(tiles, a.I / kDecodeFeatures), dim3(kDecodeThreads),
-                   a.stream, static_cast<const __nv_bfloat16*>(a.z), a.w13, w.h, w.schedule, a.L, a.I, a.act);
-  launch_dependent(down_decode_kernel<kMxfp4, kTiles>, dim3(tiles, a.L / kDecodeFeatures), dim3(kDecodeThreads),
-                   a.stream, static_cast<const __nv_bfloat16*>(w.h), a.w2, w.part, w.schedule, a.L, a.I);
+  constexpr int kNarrow = kMxfp4 ? 16 : 8, kWide = kMxfp4 && kTiles == 1 ? kDecodeWideElems : kNarrow;
+  const dim3 gate_up_grid(tiles, a.I / kDecodeFeatures), down_grid(tiles, a.L / kDecodeFeatures);
+  const auto* z = static_cast<const __nv_bfloat16*>(a.z);
+  const auto* h = static_cast<const __nv_bfloat16*>(w.h);
+  if (decode_wide(a.L, a.w13)) {
+    launch_dependent(gate_up_decode_kernel<kMxfp4, kTiles, kWide>, gate_up_grid, dim3(kDecodeThreads), a.stream, z,
+                     a.w13, w.h, w.schedule, a.L, a.I, a.act);
+  } else {
+    launch_dependent(gate_up_decode_kernel<kMxfp4, kTiles, kNarrow>, gate_up_grid, dim3(kDecodeThreads), a.stream, z,
+                     a.w13, w.h, w.schedule, a.L, a.I, a.act);
+  }
+  if (decode_wide(a.I, a.w2)) {
+    launch_dependent(down_decode_kernel<kMxfp4, kTiles, kWide>, down_grid, dim3(kDecodeThreads), a.stream, h, a.w2,
+                     w.part, w.schedule, a.L, a.I);
+  } else {
+    launch_dependent(down_decode_kernel<kMxfp4, kTiles, kNarrow>, down_grid, dim3(kDecodeThreads), a.stream, h, a.w2,
+                     w.part, w.schedule, a.L, a.I);
+  }
 }
 
 template <bool kMxfp4>

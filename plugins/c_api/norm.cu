@@ -108,16 +108,17 @@ extern "C" int k3_attn_res_mix_norm(const K3AttnResMixParams* params, cudaStream
   // the empty row list and output have null data pointers
   if (p.out_tokens == 0) return cudaSuccess;
   if (p.query == nullptr || p.out == nullptr || !weight_ok(p.norm_weight, p.norm_weight_type) ||
-      (p.partial_out != nullptr && (p.residual == nullptr || p.rows != nullptr))) {
+      (p.partial_out != nullptr && (p.residual == nullptr || p.rows != nullptr)) ||
+      (p.residual2 != nullptr && p.residual == nullptr)) {
     return cudaErrorInvalidValue;
   }
   for (int s = 0; s < p.num_sources; ++s) {
     if (p.sources[s] == nullptr) return cudaErrorInvalidValue;
   }
-  const void* ptrs[K3_ATTN_RES_MAX_SOURCES + 4] = {p.residual, p.partial_out, p.out,
+  const void* ptrs[K3_ATTN_RES_MAX_SOURCES + 5] = {p.residual, p.residual2, p.partial_out, p.out,
                                                     p.norm_weight_type == K3_NORM_WEIGHT_BF16 ? p.norm_weight : nullptr};
-  for (int s = 0; s < p.num_sources; ++s) ptrs[4 + s] = p.sources[s];
-  const int vec = vector_width(p.dim, ptrs, 4 + p.num_sources, nullptr, 0);
+  for (int s = 0; s < p.num_sources; ++s) ptrs[5 + s] = p.sources[s];
+  const int vec = vector_width(p.dim, ptrs, 5 + p.num_sources, nullptr, 0);
   switch (vec) {
     case 8: return launch_mix<8>(p, stream);
     case 4: return launch_mix<4>(p, stream);

@@ -13,7 +13,7 @@ enum class DType { kAct, kFp32, kInt32, kInt8 };
 enum class AttrKind { kInt, kFloat };
 
 constexpr int kMaxInputs = 16;
-constexpr int kMaxOutputs = 4;
+constexpr int kMaxOutputs = 8;
 constexpr int kMaxRank = 4;
 constexpr int kMaxAttrs = 12;
 

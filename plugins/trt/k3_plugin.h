@@ -120,6 +120,8 @@ extern const OpKernels kKdaPrefillKernels;
 extern const OpKernels kKdaDecodeKernels;
 extern const OpKernels kMlaPrefillKernels;
 extern const OpKernels kMlaDecodeKernels;
+extern const OpKernels kMlaPrefillFp8Kernels;
+extern const OpKernels kMlaDecodeFp8Kernels;
 extern const OpKernels kSituMoeKernels;
 extern const OpKernels kSituMoeMxfp4Kernels;
 

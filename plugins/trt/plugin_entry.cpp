@@ -36,10 +36,13 @@ __attribute__((visibility("default"))) nvinfer1::IPluginCreatorInterface* const*
   static ContractCreator kda_decode(kKdaDecode, kKdaDecodeKernels);
   static ContractCreator mla_prefill(kMlaPrefill, kMlaPrefillKernels);
   static ContractCreator mla_decode(kMlaDecode, kMlaDecodeKernels);
+  static ContractCreator mla_prefill_fp8(kMlaPrefillFp8, kMlaPrefillFp8Kernels);
+  static ContractCreator mla_decode_fp8(kMlaDecodeFp8, kMlaDecodeFp8Kernels);
   static ContractCreator situ_moe(kSituMoe, kSituMoeKernels);
   static ContractCreator situ_moe_mxfp4(kSituMoeMxfp4, kSituMoeMxfp4Kernels);
-  static nvinfer1::IPluginCreatorInterface* const creators[] = {&kda_prefill, &kda_decode, &mla_prefill,
-                                                                &mla_decode, &situ_moe, &situ_moe_mxfp4};
+  static nvinfer1::IPluginCreatorInterface* const creators[] = {
+      &kda_prefill, &kda_decode, &mla_prefill, &mla_decode, &mla_prefill_fp8, &mla_decode_fp8, &situ_moe,
+      &situ_moe_mxfp4};
   nb_creators = static_cast<int32_t>(sizeof(creators) / sizeof(creators[0]));
   return creators;
 }

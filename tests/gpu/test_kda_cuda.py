@@ -18,6 +18,8 @@ Tolerances (relative Frobenius error):
   emulation of exactly these roundings gives ~4e-3 on the output and 2-3e-3 on the
   state at these shapes, plus the bf16 output rounding and fast-math SiLU (an
   occasional 1-ulp bf16 flip of a conv output): out < 1e-2, state < 5e-3.
+- prefill snapshots (prefix cache): the same fp32 accumulators stored at a chunk boundary, so
+  state rows < 5e-3 against the reference's chunked form; conv rows are raw inputs: exact.
 Skips without CUDA or without build/libk3_kernels.so.
 """
 from __future__ import annotations
@@ -71,18 +73,25 @@ def make_case(lengths, num_heads, head_dim, lower_bound, initial, seed):
         has_initial_state=torch.tensor(initial, dtype=torch.int32),
         conv_state=randn(pool, 3 * P, W - 1).bfloat16(),
         recurrent_state=randn(pool, H, K, K, s=0.3),
+        # no prefix-cache snapshots: one -1 column, one-row pools (test_prefill_snapshots sets them)
+        snapshot_offsets=torch.full((B, 1), -1, dtype=torch.int32),
+        snapshot_rows=torch.zeros(B, 1, dtype=torch.int32),
+        snapshot_conv=randn(1, 3 * P, W - 1).bfloat16(),
+        snapshot_recurrent=randn(1, H, K, K),
         attrs=(H, K, float(lower_bound)),
     )
 
 
 ARG_ORDER = ("qkv", "gate", "beta", "conv_weight", "A_log", "dt_bias", "cu_seqlens", "state_slots",
-             "has_initial_state", "conv_state", "recurrent_state")
+             "has_initial_state", "conv_state", "recurrent_state", "snapshot_offsets", "snapshot_rows",
+             "snapshot_conv", "snapshot_recurrent")
 
 
-def run(op, case, device):
+def run(op, case, device, snapshots=False):
     tensors = {k: case[k].clone().to(device) for k in ARG_ORDER}
     out = op(*(tensors[k] for k in ARG_ORDER), *case["attrs"])
-    return out.cpu(), tensors["conv_state"].cpu(), tensors["recurrent_state"].cpu()
+    result = out.cpu(), tensors["conv_state"].cpu(), tensors["recurrent_state"].cpu()
+    return result + (tensors["snapshot_conv"].cpu(), tensors["snapshot_recurrent"].cpu()) if snapshots else result
 
 
 def check_against_reference(case, op, tol, label):
@@ -189,7 +198,8 @@ def test_prefill_then_decode_handoff():
         op = PREFILL if i == 0 else DECODE
         out = op(cuda["qkv"][idx.cuda()].reshape(T, P3), cuda["gate"][idx.cuda()],
                  cuda["beta"][idx.cuda()], cuda["conv_weight"], cuda["A_log"], cuda["dt_bias"], cu,
-                 cuda["state_slots"], has_init, cuda["conv_state"], cuda["recurrent_state"], H, K, lb)
+                 cuda["state_slots"], has_init, cuda["conv_state"], cuda["recurrent_state"],
+                 *(cuda[k] for k in ARG_ORDER[-4:]), H, K, lb)
         outs[0].append(out[: step[0]].cpu())
         outs[1].append(out[step[0]:].cpu())
         pos = [pos[j] + step[j] for j in range(2)]
@@ -214,3 +224,63 @@ def test_prefill_matches_decode_kernel_on_long_sequence(num_heads):
     e_out, e_state = rel_err(out_p, out_d), rel_err(state_p[used], state_d[used])
     print(f"\nprefill vs decode kernel, {num_heads} heads: rel err out {e_out:.2e}, state {e_state:.2e}")
     assert e_out < PREFILL_TOL[0] and e_state < PREFILL_TOL[1]
+
+
+# Prefix-cache snapshots (issue 22): per sequence, points at chunk boundaries and at its token
+# count, into shuffled rows of a pool with spare rows.
+SHORT = ([1, 200, 64, 1100, 70, 5], [1, 0, 1, 1, 0, 1],
+         [[1], [64, 128, 200], [64], [64, 512, 576, 1024, 1100], [64, 70], []])
+# over 1024 tokens a sequence on average: the walk's two-stage (prefetching) variant
+LONG = ([2100, 64], [1, 0], [[64, 1024, 2048, 2100], [64]])
+
+
+@pytest.mark.parametrize("num_heads, head_dim, batch", [(12, 128, SHORT), (12, 128, LONG), (4, 32, SHORT)],
+                         ids=["k3-tp8-rank", "k3-tp8-rank-long", "tiny"])
+def test_prefill_snapshots(num_heads, head_dim, batch):
+    """The chunked kernel's snapshot rows against the fp32 reference's (chunked form on the CPU):
+    conv rows exact (raw inputs), recurrent rows within the prefill state tolerance; the output
+    and final states are bit-identical to a run without snapshots; rows not asked for stay."""
+    lengths, initial, points_per_seq = batch
+    case = make_case(lengths, num_heads, head_dim, -5.0, initial, seed=31 + head_dim)
+    plain = run(PREFILL, case, "cuda")
+    H, K, _ = case["attrs"]
+    g = torch.Generator().manual_seed(3)
+    num_rows = sum(map(len, points_per_seq)) + 3
+    rows = torch.randperm(num_rows, generator=g).tolist()
+    width = max(map(len, points_per_seq))
+    offsets = torch.full((len(points_per_seq), width), -1, dtype=torch.int32)
+    dest = torch.zeros_like(offsets)
+    for b, points in enumerate(points_per_seq):
+        for i, o in enumerate(points):
+            offsets[b, i], dest[b, i] = o, rows.pop()
+    case.update(snapshot_offsets=offsets, snapshot_rows=dest,
+                snapshot_conv=torch.randn(num_rows, 3 * H * K, CONV_WIDTH - 1, generator=g).bfloat16(),
+                snapshot_recurrent=torch.randn(num_rows, H, K, K, generator=g))
+    ref = run(PREFILL, case, "cpu", snapshots=True)
+    got = run(PREFILL, case, "cuda", snapshots=True)
+    for a, b in zip(plain, got):
+        assert torch.equal(a, b), "snapshots changed the output or the final states"
+    taken = dest[offsets >= 0].long()
+    spare = torch.ones(num_rows, dtype=torch.bool)
+    spare[taken] = False
+    assert torch.equal(got[3][taken], ref[3][taken]), "snapshot conv rows differ"
+    for row in taken.tolist():
+        e = rel_err(got[4][row], ref[4][row])
+        assert e < PREFILL_TOL[1], f"snapshot row {row}: rel err {e:.3e}"
+    print(f"\nsnapshots {num_heads}x{head_dim}: worst state rel err "
+          f"{max(rel_err(got[4][r], ref[4][r]) for r in taken.tolist()):.2e} over {len(taken)} rows")
+    assert torch.equal(got[3][spare], case["snapshot_conv"][spare])
+    assert torch.equal(got[4][spare], case["snapshot_recurrent"][spare])
+
+
+def test_softplus_prefill_snapshots_fall_back_to_the_reference():
+    """The softplus gate's prefill kernel (token recurrence) writes no snapshots: with one asked
+    for, the binding runs the reference, whose rows the CPU run reproduces exactly."""
+    case = make_case([70, 3], 2, 64, 0.0, [1, 0], seed=37)
+    case.update(snapshot_offsets=torch.tensor([[64], [-1]], dtype=torch.int32),
+                snapshot_rows=torch.tensor([[0], [0]], dtype=torch.int32))
+    with pytest.warns(Warning, match="softplus"):
+        got = run(PREFILL, case, "cuda", snapshots=True)
+    ref = run(PREFILL, case, "cpu", snapshots=True)
+    assert torch.equal(got[3], ref[3])
+    torch.testing.assert_close(got[4], ref[4], rtol=0, atol=1e-5)

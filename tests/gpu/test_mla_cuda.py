@@ -204,3 +204,186 @@ def test_latent_attention_rising_maxima(ops, heads, context):
     assert torch.isfinite(a_lat).all()
     err = ((a_lat[0].float() - want).norm() / want.norm()).item()
     assert err <= TOL, f"relative error {err:.3e}"
+
+
+# ---- The fp8 latent cache (contracts mla_*_fp8, k3_trtllm/ops/mla/fp8_cache.py) ----------
+# The kernels and the reference read the SAME fp8 cache, whose dequantised values code * scale
+# are exact in fp32; the dequantising kernels round them to bf16 operands (one more 2^-9
+# relative rounding than the bf16 path's inputs carry), the direct one (K3 latent, <= 16
+# heads, Q 128) multiplies exact f16 codes and applies the scales in fp32 (its probabilities
+# are f16: 2^-11), so the bf16 path's tolerance TOL holds. The cache after the insert must
+# equal the reference quantiser's bytes exactly.
+
+
+def fp8_step(heads, dims, contexts, new_tokens, block_size, seed, edge_cases=False):
+    """make_step with the pool quantised into fp8 rows; with ``edge_cases``, new latents that
+    exercise the quantiser: an all-zero row (every scale 1.0), a row with one zero group, a
+    tiny and a huge row (scales far from 1), exact ties of e4m3 rounding (normal and
+    subnormal). Those rows' outputs would dominate an error norm: bytes-only tests use them."""
+    from k3_trtllm.ops.mla import fp8_cache
+    step = make_step(heads, dims, contexts, new_tokens, block_size, seed)
+    q_group = fp8_cache.scale_group_for(dims["rank"])
+    step["latent_cache"] = fp8_cache.quantize(step["latent_cache"], dims["rank"], q_group)
+    latent = step["latent"]
+    n = latent.shape[0] if edge_cases else 0
+    if n >= 4:
+        latent[0] = 0
+        latent[1, :q_group] = 0
+        latent[2] *= 1e-30
+        latent[3] *= 1e30
+    if n >= 5:  # amax 448 (scale exactly 1) and values halfway between e4m3 neighbours: ties to even
+        mids = torch.tensor([(1 + (2 * k + 1) / 16) * 2.0 ** j for j in range(-6, 8) for k in range(8)]
+                            + [(2 * k + 1) * 2.0 ** -10 for k in range(8)], device="cuda")
+        groups = latent[4, : dims["rank"]].view(-1, q_group)
+        groups[:] = mids[torch.arange(q_group, device="cuda") % mids.numel()].to(latent.dtype)
+        groups[:, 0] = 448
+    return step, q_group
+
+
+def run_both_fp8(kernel, reference, step, heads, dims, q_group):
+    scale = (dims["nope"] + dims["rope"]) ** -0.5
+    attrs = (heads, dims["nope"], dims["rope"], dims["rank"], dims["v"], scale, q_group)
+    names = ("q", "latent", "w_uk", "w_uv", "cu_seqlens", "context_lens", "block_tables", "slot_mapping")
+    cache_k, cache_r = step["latent_cache"].clone(), step["latent_cache"].clone()
+    out_k = kernel(*(step[n] for n in names), cache_k, *attrs)
+    out_r = reference(*(step[n] for n in names), cache_r, *attrs)
+    torch.cuda.synchronize()
+    return out_k, out_r, cache_k, cache_r
+
+
+def test_fp8_insert_writes_the_quantisers_bytes(ops):
+    """Every new row's bytes (codes, scales, rope) equal fp8_cache.quantize's, edge cases included."""
+    cuda_mla, _ = ops
+    from k3_trtllm.ops.mla import fp8_cache
+    step, q_group = fp8_step(12, K3, [3, 70, 0], [5, 1, 3], 64, seed=41, edge_cases=True)
+    before = step["latent_cache"].clone()
+    res = run_both_fp8(cuda_mla.mla_decode_fp8_cuda, reference_fp8("decode"), step, 12, K3, q_group)
+    cache_k = res[2]
+    slots = step["slot_mapping"].long()
+    flat = cache_k.view(-1, cache_k.shape[-1])
+    want = fp8_cache.quantize(step["latent"], K3["rank"], q_group)
+    assert flat.shape[-1] == 656
+    got = flat[slots]
+    for part, cols in (("codes", slice(0, 512)), ("scales", slice(512, 528)), ("rope", slice(528, 656))):
+        wrong = (got[:, cols] != want[:, cols]).sum().item()
+        assert wrong == 0, f"{wrong} {part} bytes differ"
+    mask = torch.ones(flat.shape[0], dtype=torch.bool, device="cuda")
+    mask[slots] = False
+    assert torch.equal(flat[mask], before.view(-1, 656)[mask])  # nothing else written
+
+
+def reference_fp8(kind):
+    from k3_trtllm.ops.mla import reference
+    return reference.mla_decode_fp8 if kind == "decode" else reference.mla_prefill_fp8
+
+
+@pytest.mark.parametrize("heads", [128, 96, 12])
+@pytest.mark.parametrize("block_size", [64, 80])
+def test_fp8_decode_mixed_lengths(ops, heads, block_size):
+    cuda_mla, _ = ops
+    contexts = [0, 1, 63, 64, 1000, 3000]
+    step, q_group = fp8_step(heads, K3, contexts, [1] * len(contexts), block_size, seed=heads + block_size)
+    res = run_both_fp8(cuda_mla.mla_decode_fp8_cuda, reference_fp8("decode"), step, heads, K3, q_group)
+    assert_close(*res, step["latent_cache"])
+
+
+@pytest.mark.parametrize("heads", [128, 12])
+def test_fp8_decode_32k_context(ops, heads):
+    """A 32k-token sequence (many splits) beside a short one, at both attention kernels."""
+    cuda_mla, _ = ops
+    step, q_group = fp8_step(heads, K3, [32767, 9], [1, 1], 64, seed=5 * heads)
+    res = run_both_fp8(cuda_mla.mla_decode_fp8_cuda, reference_fp8("decode"), step, heads, K3, q_group)
+    assert_close(*res, step["latent_cache"])
+
+
+@pytest.mark.parametrize("heads", [96, 12])
+def test_fp8_chunked_prefill_absorbed(ops, heads):
+    cuda_mla, _ = ops
+    contexts, new = [0, 500, 129, 7, 64], [300, 77, 1, 0, 64]
+    step, q_group = fp8_step(heads, K3, contexts, new, 64, seed=3 * heads + 1)
+    assert not cuda_mla.prefill_uses_expanded(sum(new), len(new), heads, K3["nope"], K3["rope"], K3["rank"], K3["v"],
+                                              step["block_tables"].shape[1], 64, fp8=True)
+    res = run_both_fp8(cuda_mla.mla_prefill_fp8_cuda, reference_fp8("prefill"), step, heads, K3, q_group)
+    assert_close(*res, step["latent_cache"])
+
+
+@pytest.mark.parametrize("heads", [96, 12])
+@pytest.mark.parametrize("key_chunk", [0, 384])
+def test_fp8_expanded_prefill(ops, heads, key_chunk):
+    """The expanded form over the fp8 cache: each pass's keys dequantised, then expanded;
+    passes of 384 keys put boundaries inside sequences."""
+    cuda_mla, _ = ops
+    contexts, new = [0, 1, 63, 1000, 1300, 40], [200, 130, 1, 257, 0, 129]
+    step, q_group = fp8_step(heads, K3, contexts, new, 64, seed=7 * heads + key_chunk + 1)
+    kernel = functools.partial(cuda_mla.prefill_expanded, key_chunk=key_chunk)
+    res = run_both_fp8(kernel, reference_fp8("prefill"), step, heads, K3, q_group)
+    assert_close(*res, step["latent_cache"])
+
+
+def test_fp8_prefill_dispatch_takes_the_expanded_form(ops):
+    cuda_mla, _ = ops
+    step, q_group = fp8_step(12, K3, [2500], [600], 80, seed=17)
+    assert cuda_mla.prefill_uses_expanded(600, 1, 12, K3["nope"], K3["rope"], K3["rank"], K3["v"],
+                                          step["block_tables"].shape[1], 80, fp8=True)
+    res = run_both_fp8(cuda_mla.mla_prefill_fp8_cuda, reference_fp8("prefill"), step, 12, K3, q_group)
+    assert_close(*res, step["latent_cache"])
+
+
+def test_fp8_latent_attention_matches_the_formula_over_dequantised_rows(ops):
+    cuda_mla, _ = ops
+    from k3_trtllm.ops.mla import fp8_cache
+    heads, nope, rank = 64, 128, 512
+    step, q_group = fp8_step(heads, K3, [5000], [1], 64, seed=8)
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    q_lat = torch.randn(1, heads, rank, generator=gen, device="cuda").to(torch.bfloat16)
+    a_lat = cuda_mla.latent_attention(q_lat, step["q"], step["cu_seqlens"], step["context_lens"],
+                                      step["block_tables"], step["latent_cache"], nope, 0.07, scale_group=q_group)
+    pos = torch.arange(5000 + 1, device="cuda")
+    raw = step["latent_cache"][step["block_tables"][0, pos // 64].long(), pos % 64]
+    rows = fp8_cache.dequantize(raw, rank, K3["rope"], q_group)
+    query = torch.cat([q_lat[0].float(), step["q"][0, :, nope:].float()], dim=-1)
+    want = torch.softmax(query @ rows.T * 0.07, dim=-1) @ rows[:, :rank]
+    err = ((a_lat[0].float() - want).norm() / want.norm()).item()
+    assert err <= TOL, f"relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("heads", [12, 16])
+@pytest.mark.parametrize("q_group", [128, 64])
+def test_fp8_latent_attention_wide_scales(ops, heads, q_group):
+    """<= 16 heads over rows whose group scales span 2^-10..2^2 token by token (so the
+    tiles' largest and smallest scales differ by ~2^12) and query rows of magnitudes
+    2^-8..2^3 per head: Q 128 runs the direct kernel (f16 operands, scales in the fp32
+    math, per-tile exponents), Q 64 the dequantising one; both against the formula over the
+    dequantised rows."""
+    cuda_mla, _ = ops
+    from k3_trtllm.ops.mla import fp8_cache
+    nope, rank, rope, context = 128, 512, 64, 3000
+    step = make_step(heads, K3, [context], [1], 64, seed=60 + heads + q_group)
+    gen = torch.Generator(device="cuda").manual_seed(61 + heads)
+    pool = step["latent_cache"].float()
+    mags = 2.0 ** (torch.rand(*pool.shape[:2], rank // q_group, generator=gen, device="cuda") * 12 - 10)
+    pool[..., :rank] *= mags.repeat_interleave(q_group, -1)
+    cache = fp8_cache.quantize(pool, rank, q_group)
+    q_lat = torch.randn(1, heads, rank, generator=gen, device="cuda")
+    q_lat *= 2.0 ** (torch.rand(1, heads, 1, generator=gen, device="cuda") * 11 - 8)
+    q_lat = q_lat.to(torch.bfloat16)
+    a_lat = cuda_mla.latent_attention(q_lat, step["q"], step["cu_seqlens"], step["context_lens"],
+                                      step["block_tables"], cache, nope, 0.07, scale_group=q_group)
+    pos = torch.arange(context + 1, device="cuda")
+    rows = fp8_cache.dequantize(cache[step["block_tables"][0, pos // 64].long(), pos % 64], rank, rope, q_group)
+    query = torch.cat([q_lat[0].float(), step["q"][0, :, nope:].float()], dim=-1)
+    want = torch.softmax(query @ rows.T * 0.07, dim=-1) @ rows[:, :rank]
+    err = ((a_lat[0].float() - want).norm(dim=-1) / want.norm(dim=-1)).max().item()  # every head
+    assert err <= TOL, f"largest per-head relative error {err:.3e}"
+
+
+def test_fp8_tiny_dims_fall_back_to_the_reference(ops):
+    """The tiny model's 100-byte rows (R 64, Q 64, Dr 16) are not 16-byte multiples: the op
+    warns once and runs the reference, whose result and cache it returns."""
+    cuda_mla, _ = ops
+    from k3_trtllm.ops.cuda_library import KernelFallbackWarning
+    step, q_group = fp8_step(4, TINY, [0, 63, 300], [1, 1, 1], 64, seed=4)
+    assert step["latent_cache"].shape[-1] == 100
+    with pytest.warns(KernelFallbackWarning, match="fp8 latent rows of 100 bytes"):
+        res = run_both_fp8(cuda_mla.mla_decode_fp8_cuda, reference_fp8("decode"), step, 4, TINY, q_group)
+    assert torch.equal(res[0], res[1]) and torch.equal(res[2], res[3])

@@ -122,7 +122,9 @@ def check_selection(cuda_moe, inputs, attrs):
 # T*k <= 16 * local experts takes the decode GEMMs (16-row tiles), above it the tiled GEMMs:
 # 1 and 7 decode; 40 decode for "plain", "grouped_softmax" and "wgmma_tiles" with experts over 16
 # rows (several decode tiles), tiled for the EP shards; 300 tiled everywhere. The "wgmma_*"
-# cases' tiled GEMMs are the warpgroup-MMA ones, the others' the mma.sync ones.
+# cases' tiled GEMMs are the warpgroup-MMA ones, the others' the mma.sync ones. MXFP4 decode
+# slabs at 1 and 7 tokens (8-row tiles): wide (16 bytes per lane and row) where K % 128 == 0
+# (L 128, 256, 512; I 128, 256), narrow (8 bytes) at K 64 and 192; narrow at 40 (16-row tiles).
 @pytest.mark.parametrize("mxfp4", [False, True], ids=["bf16", "mxfp4"])
 @pytest.mark.parametrize("T", [1, 7, 40, 300])
 @pytest.mark.parametrize("name", list(CASES))
@@ -138,6 +140,28 @@ def test_mxfp4_scales_beyond_one_bf16_factor(cuda_moe, name, T):
     scale_bytes = make_inputs(CASES[name], T, True, seed=T, gain=gain)[5]
     assert int(scale_bytes.min()) > 128
     check_against_reference(cuda_moe, CASES[name], T, True, gain=gain)
+
+
+@pytest.mark.parametrize("T", [1, 7])
+def test_mxfp4_decode_with_unaligned_experts(cuda_moe, T):
+    """Codes 8 bytes and scales 1 byte past a 16-byte boundary (contiguous views at a storage
+    offset): the 8-row-tile decode GEMVs then take the narrow slabs (8-byte loads) instead of
+    the wide ones (16-byte loads, which would fault), here at L 512 (two whole register stages)
+    and I 256, sizes whose aligned tensors take the wide slabs."""
+    case = CASES["wgmma_tiles"]
+    cpu = make_inputs(case, T, True, seed=T)
+    dev = [t.cuda() for t in cpu]
+    for i, shift in ((4, 8), (5, 1), (6, 8), (7, 1)):
+        buf = torch.empty(dev[i].numel() + 32, dtype=torch.uint8, device="cuda")
+        base = (-buf.data_ptr()) % 16  # first 16-byte boundary in buf
+        moved = buf[base + shift:base + shift + dev[i].numel()].view(dev[i].shape)
+        moved.copy_(dev[i])
+        assert moved.is_contiguous() and moved.data_ptr() % 16 == shift
+        dev[i] = moved
+    attrs = attrs_of(case)
+    out = torch.ops.k3.situ_moe_mxfp4(*dev, *attrs)
+    ref = torch.ops.k3.situ_moe_mxfp4(*cpu, *attrs)
+    assert rel_err(out, ref) < TOL
 
 
 @pytest.mark.parametrize("mxfp4", [False, True], ids=["bf16", "mxfp4"])
@@ -284,7 +308,8 @@ def test_k3_dims_decode_matches_the_reference(cuda_moe, T, mxfp4):
     """K3 sizes in the decode GEMVs (bench/moe_bench.py's decode cases): 1 and 8 tokens take the
     8-row tiles (one n8 MMA tile), 64 tokens the 16-row tiles with every one of the 112 experts
     touched; MXFP4 through the table lookups and the two register stages (whole stages cover
-    L 3584 and I 3072), scale bytes 119-122."""
+    L 3584 and I 3072), with the wide slabs (16 bytes per lane and row) at 1 and 8 tokens and
+    the narrow ones (8 bytes) at 64, scale bytes 119-122."""
     check_k3_rank(cuda_moe, T, mxfp4, seed=7 + T, what="decode")
 
 

@@ -148,6 +148,28 @@ def test_operands_the_kernels_cannot_read_safely_go_to_the_reference(monkeypatch
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("tokens", [1, 8, 33])
+def test_a_residual_of_two_terms_is_their_bf16_sum(tokens):
+    """The latent MoE hands the mixes its routed and shared outputs as two terms (one add kernel
+    fewer per layer): the kernel's partial sum must be bf16(P + bf16(routed + shared)), bitwise the
+    reference's, and its outputs bitwise the kernel's own for the pre-added sub-layer output."""
+    from k3_trtllm.ops.norm import cuda, reference
+    sources = _sources(4, tokens, 7168, seed=70)
+    routed, shared = _rand(tokens, 7168, seed=71), 0.5 * _rand(tokens, 7168, seed=72)
+    query = (0.05 * _rand(7168, seed=73)).float()
+    w = 1 + 0.1 * _rand(7168, seed=74)
+    got, partial = cuda.attn_res_mix_norm(sources, (routed, shared), query, EPS, w, EPS)
+    _, ref_partial = reference.attn_res_mix_norm(sources, (routed, shared), query, EPS, w, EPS)
+    want, want_partial = cuda.attn_res_mix_norm(sources, routed + shared, query, EPS, w, EPS)
+    assert torch.equal(partial.view(torch.int16), ref_partial.view(torch.int16))
+    assert torch.equal(partial.view(torch.int16), want_partial.view(torch.int16))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    rows = torch.tensor([tokens - 1, 0], dtype=torch.int32, device="cuda")
+    final = cuda.attn_res_final_norm(sources, (routed, shared), query, EPS, rows, w, EPS)
+    assert torch.equal(final.view(torch.int16),
+                       cuda.attn_res_final_norm(sources, routed + shared, query, EPS, rows, w, EPS).view(torch.int16))
+
+
 def test_calls_with_no_rows_return_empty_outputs():
     """A prefill chunk that samples no token asks the final norm for no rows (every chunk the
     prefix cache cuts at a snapshot position): an empty result, not a launch error, even though
@@ -215,10 +237,12 @@ def _decode_launches(model, caches, step) -> tuple[int, set[str]]:
 
 
 def test_tiny_k3_decode_step_launches_fewer_kernels(monkeypatch):
-    """Before (the torch reference forms: norms, mixes and GLU as torch kernels, the LM head
-    upcast to fp32) and after, on the same decode step of 4 sequences."""
+    """Before (the torch reference forms: norms, mixes and GLU as torch kernels, the projections
+    as torch's linear, the LM head upcast to fp32) and after, on the same decode step of 4
+    sequences."""
     from k3_trtllm.model import build_step, k3, load_model
     from k3_trtllm.ops import norm
+    from k3_trtllm.ops.linear import cuda as linear_cuda
     model = load_model(TINY, dtype=torch.bfloat16, device="cuda")
     caches = model.allocate_caches(8, 16, 4)
     step = build_step([([5 + i], 20 + i, i, [2 * i, 2 * i + 1]) for i in range(4)], 16).to("cuda")
@@ -226,6 +250,7 @@ def test_tiny_k3_decode_step_launches_fewer_kernels(monkeypatch):
     assert any("k3::norm::attn_res_mix_norm_kernel" in n for n in names), sorted(names)
     monkeypatch.setattr(norm, "_available", False)
     monkeypatch.setattr(k3, "_mm_out_dtype_runs", lambda _device_type: False)
+    monkeypatch.setattr(linear_cuda, "_available", False)  # the projections and head as torch's too
     before, names_before = _decode_launches(model, caches, step)
     assert not any("k3::norm" in n for n in names_before)
     layers = model.config.num_hidden_layers

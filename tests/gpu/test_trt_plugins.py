@@ -105,7 +105,10 @@ def kda_case(lengths, H=4, K=64, W=4, lower_bound=-5.0, seed=0):
               rnd(3 * P, W, k=0.6), rnd(H, k=0.5), rnd(P, k=0.5), cu,
               torch.randperm(pool, generator=g)[:B].to(torch.int32),
               torch.tensor([i % 2 for i in range(B)], dtype=torch.int32),
-              rnd(pool, 3 * P, W - 1).bfloat16(), rnd(pool, H, K, K, k=0.3)]
+              rnd(pool, 3 * P, W - 1).bfloat16(), rnd(pool, H, K, K, k=0.3),
+              # no prefix-cache snapshot points: one -1 column, one-row snapshot pools
+              torch.full((B, 1), -1, dtype=torch.int32), torch.zeros(B, 1, dtype=torch.int32),
+              rnd(1, 3 * P, W - 1).bfloat16(), rnd(1, H, K, K)]
     return inputs, (H, K, lower_bound)
 
 
@@ -118,10 +121,10 @@ def kda_case(lengths, H=4, K=64, W=4, lower_bound=-5.0, seed=0):
 def test_kda_plugins_match_the_reference(plugin, lengths, in_place, tol):
     cpu, attrs = kda_case(lengths)
     dev = [t.cuda() for t in cpu]
-    before = [t.clone() for t in dev[9:]]
+    before = [t.clone() for t in dev[9:11]]
     outs, ws = run_plugin(plugin, dev, attrs, in_place)
-    ref_pools = [t.clone() for t in cpu[9:]]
-    ref = torch.ops.k3.kda_decode(*cpu[:9], *ref_pools, *attrs)
+    ref_pools = [t.clone() for t in cpu[9:11]]
+    ref = torch.ops.k3.kda_decode(*cpu[:9], *ref_pools, *cpu[11:], *attrs)
     # The prefill plugin reserves the chunked kernel's workspace for the shape (the size the
     # kernel library reports); the decode plugin needs none.
     T, B, (H, K, lb) = cpu[0].shape[0], cpu[6].shape[0] - 1, attrs
@@ -132,8 +135,9 @@ def test_kda_plugins_match_the_reference(plugin, lengths, in_place, tol):
     assert rel_err(outs[2].cpu()[touched], ref_pools[1][touched]) < tol[1]
     untouched = torch.ones(cpu[9].shape[0], dtype=torch.bool)
     untouched[touched] = False
-    for new, old in zip(outs[1:], before):
+    for new, old in zip(outs[1:3], before):
         assert torch.equal(new[untouched.cuda()], old[untouched.cuda()])
+    assert torch.equal(outs[3].cpu(), cpu[13]) and torch.equal(outs[4].cpu(), cpu[14])  # no points: unchanged
 
 
 def mla_case(contexts, new_tokens, H=4, nope=32, rope=16, rank=64, v=32, block_size=16, seed=0):

@@ -61,6 +61,16 @@ def short_conv(
     return y, final_state
 
 
+def conv_state_at(x: torch.Tensor, initial: torch.Tensor | None, W: int, tokens: int) -> torch.Tensor:
+    """The conv state ``[C, W-1]`` after the first ``tokens`` rows of ``x [T, C]``: the W-1 raw
+    inputs before row ``tokens`` (from ``initial``, or zeros, where they precede ``x``), in x's
+    dtype; ``short_conv``'s final state when ``tokens == T``."""
+    if initial is None:
+        initial = x.new_zeros(x.shape[1], W - 1)
+    history = torch.cat([initial.to(x.dtype).T, x[:tokens]], dim=0)
+    return history[tokens:].T.contiguous()
+
+
 def _zero_state_if_none(initial_state, q, v):
     H, K = q.shape[1], q.shape[2]
     if initial_state is None:
@@ -76,12 +86,15 @@ def recurrent_kda(
     beta: torch.Tensor,
     scale: float,
     initial_state: torch.Tensor | None,
+    snapshots: dict[int, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token gated delta rule (§4.5.6), computed in q's dtype.
 
     q, k ``[T, H, K]`` already l2-normalised (q is multiplied by ``scale`` here),
     v ``[T, H, V]``, g ``[T, H, K]`` log-decay, beta ``[T, H]``, initial_state
     ``[H, K, V]`` or None. Returns ``o [T, H, V]`` and the final state ``[H, K, V]``.
+    ``snapshots``: its keys are token counts in [1, T]; each value becomes the state after
+    that many tokens (the prefix cache's snapshots).
     """
     dtype = q.dtype
     k, v, g, beta = (t.to(dtype) for t in (k, v, g, beta))
@@ -93,6 +106,9 @@ def recurrent_kda(
         u = beta[t][:, None] * (v[t] - predicted)
         S = S + k[t][:, :, None] * u[:, None, :]
         o[t] = torch.einsum("hk,hkv->hv", q[t] * scale, S)
+        if snapshots is not None and t + 1 in snapshots:
+            snapshots[t + 1] = S.clone()
+    _check_snapshots_taken(snapshots)
     return o, S
 
 
@@ -112,13 +128,15 @@ def chunk_kda(
     beta: torch.Tensor,
     scale: float,
     initial_state: torch.Tensor | None,
+    snapshots: dict[int, torch.Tensor | None] | None = None,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked gated delta rule (§4.5.7): same arguments and results as ``recurrent_kda``.
 
     Within a chunk of n tokens (the last may be shorter) the intra-chunk interactions
     are two n×n matrices and a unit lower-triangular solve; the state is carried only
-    across chunk boundaries.
+    across chunk boundaries, so ``snapshots`` may only ask for those (multiples of
+    ``chunk_size``) and for T.
     """
     dtype = q.dtype
     # head-major views [H, T, ·] so that every chunk is a batch of per-head matrices
@@ -151,4 +169,13 @@ def chunk_kda(
         S = torch.exp(gamma_last).transpose(1, 2) * S + (
             Kc * torch.exp(gamma_last - gamma)
         ).transpose(1, 2) @ new_values
+        if snapshots is not None and end in snapshots:
+            snapshots[end] = S.clone()
+    _check_snapshots_taken(snapshots)
     return o.transpose(0, 1), S
+
+
+def _check_snapshots_taken(snapshots: dict[int, torch.Tensor | None] | None) -> None:
+    missed = sorted(n for n, s in (snapshots or {}).items() if s is None)
+    if missed:
+        raise ValueError(f"kda: no state after {missed} tokens (not a chunk boundary or past the sequence)")

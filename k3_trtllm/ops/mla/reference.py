@@ -1,4 +1,5 @@
-"""Reference implementations of ``k3::mla_prefill`` and ``k3::mla_decode`` (contract.py).
+"""Reference implementations of ``k3::mla_prefill`` and ``k3::mla_decode`` (contract.py), and
+of their ``_fp8`` twins over the fp8 latent cache (fp8_cache.py).
 
 Both insert this step's latent rows into the paged cache, then let every new token
 attend causally to its sequence's cached positions. Prefill uses the expanded form,
@@ -14,7 +15,8 @@ import torch
 
 from .. import registry
 from ..common import compute_dtype
-from ..contract import MLA_DECODE, MLA_PREFILL
+from ..contract import MLA_DECODE, MLA_DECODE_FP8, MLA_PREFILL, MLA_PREFILL_FP8
+from . import fp8_cache
 from .naive import absorbed_attention, expanded_attention, gather_latents, insert_latents
 
 
@@ -57,11 +59,16 @@ AttentionFn = Callable[..., torch.Tensor]
 
 def _paged_attention(contract, attention: AttentionFn, q, latent, w_uk, w_uv, cu_seqlens, context_lens,
                      block_tables, slot_mapping, latent_cache, num_heads, qk_nope_head_dim,
-                     qk_rope_head_dim, kv_lora_rank, v_head_dim, softmax_scale) -> torch.Tensor:
+                     qk_rope_head_dim, kv_lora_rank, v_head_dim, softmax_scale, *scale_group) -> torch.Tensor:
+    """``scale_group`` (one value) is given for the fp8 cache: rows are then quantised on
+    insert and dequantised on gather (fp8_cache.py), the attention itself unchanged."""
     dims = _validate(contract, q, latent, w_uk, w_uv, cu_seqlens, context_lens, block_tables, slot_mapping,
                      latent_cache, num_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, v_head_dim,
-                     softmax_scale)
-    insert_latents(latent_cache, latent, slot_mapping)
+                     softmax_scale, *scale_group)
+    if scale_group:
+        insert_latents(latent_cache, fp8_cache.quantize(latent, kv_lora_rank, *scale_group), slot_mapping)
+    else:
+        insert_latents(latent_cache, latent, slot_mapping)
 
     cd = compute_dtype(q.dtype)
     w_uk_c, w_uv_c = w_uk.to(cd), w_uv.to(cd)
@@ -71,7 +78,10 @@ def _paged_attention(contract, attention: AttentionFn, q, latent, w_uk, w_uv, cu
         start, end = bounds[b], bounds[b + 1]
         if start == end:
             continue
-        latents = gather_latents(latent_cache, block_tables[b], context_len + end - start).to(cd)
+        latents = gather_latents(latent_cache, block_tables[b], context_len + end - start)
+        if scale_group:
+            latents = fp8_cache.dequantize(latents, kv_lora_rank, qk_rope_head_dim, *scale_group)
+        latents = latents.to(cd)
         seq_out = attention(q[start:end].to(cd), latents, w_uk_c, w_uv_c, context_len, softmax_scale)
         out[start:end] = seq_out.reshape(end - start, -1).to(q.dtype)
     return out
@@ -85,11 +95,21 @@ def mla_decode(*args) -> torch.Tensor:
     return _paged_attention(MLA_DECODE, absorbed_attention, *args)
 
 
+def mla_prefill_fp8(*args) -> torch.Tensor:
+    return _paged_attention(MLA_PREFILL_FP8, expanded_attention, *args)
+
+
+def mla_decode_fp8(*args) -> torch.Tensor:
+    return _paged_attention(MLA_DECODE_FP8, absorbed_attention, *args)
+
+
 def mla_fake(q, latent, w_uk, w_uv, cu_seqlens, context_lens, block_tables, slot_mapping,
              latent_cache, num_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank,
-             v_head_dim, softmax_scale) -> tuple[torch.Tensor]:
+             v_head_dim, softmax_scale, *scale_group) -> tuple[torch.Tensor]:
     return (q.new_empty((q.shape[0], num_heads * v_head_dim)),)
 
 
 registry.register(MLA_PREFILL, mla_prefill, mla_fake)
 registry.register(MLA_DECODE, mla_decode, mla_fake)
+registry.register(MLA_PREFILL_FP8, mla_prefill_fp8, mla_fake)
+registry.register(MLA_DECODE_FP8, mla_decode_fp8, mla_fake)

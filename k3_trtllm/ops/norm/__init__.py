@@ -14,6 +14,7 @@ import torch
 
 from .. import common
 from . import cuda, reference
+from .reference import partial_sum  # noqa: F401  (the model's P + a where no mix follows)
 
 _available: bool | None = None
 
@@ -53,13 +54,18 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return cuda.sigmoid_gate(x, gate) if _kernels(x) else reference.sigmoid_gate(x, gate)
 
 
-def attn_res_mix_norm(sources: list[torch.Tensor], residual: torch.Tensor | None, query: torch.Tensor, eps: float,
+# A sub-layer's output as the mixes take it (reference.Residual): one tensor, or the terms it is
+# the sum of (the latent MoE's routed and shared experts), which the kernel adds on its way in.
+Residual = reference.Residual
+
+
+def attn_res_mix_norm(sources: list[torch.Tensor], residual: Residual, query: torch.Tensor, eps: float,
                       norm_weight: torch.Tensor, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     impl = cuda.attn_res_mix_norm if _kernels(sources[-1]) else reference.attn_res_mix_norm
     return impl(sources, residual, query, eps, norm_weight, norm_eps)
 
 
-def attn_res_final_norm(sources: list[torch.Tensor], residual: torch.Tensor | None, query: torch.Tensor, eps: float,
+def attn_res_final_norm(sources: list[torch.Tensor], residual: Residual, query: torch.Tensor, eps: float,
                         rows: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float) -> torch.Tensor:
     impl = cuda.attn_res_final_norm if _kernels(sources[-1]) else reference.attn_res_final_norm
     return impl(sources, residual, query, eps, rows, norm_weight, norm_eps)

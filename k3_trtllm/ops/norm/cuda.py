@@ -31,7 +31,8 @@ class RmsNormParams(ctypes.Structure):
 
 
 class AttnResMixParams(ctypes.Structure):
-    _fields_ = [("sources", _p * MAX_SOURCES), ("num_sources", _i), ("residual", _p), ("partial_out", _p),
+    _fields_ = [("sources", _p * MAX_SOURCES), ("num_sources", _i), ("residual", _p), ("residual2", _p),
+                ("partial_out", _p),
                 ("rows", _p), ("query", _p), ("eps", _f), ("norm_weight", _p), ("norm_weight_type", _i),
                 ("norm_eps", _f), ("round_mix", _i), ("out", _p), ("out_tokens", _i), ("dim", _i)]
 
@@ -59,7 +60,10 @@ def _library() -> ctypes.CDLL:
 
 
 def _stream(t: torch.Tensor) -> int:
-    return torch.cuda.current_stream(t.device).cuda_stream
+    """The current stream of ``t``'s device, as a raw pointer: torch's own getter for kernel
+    launchers (what inductor's launches use), a fraction of ``torch.cuda.current_stream``'s cost,
+    which builds a Stream object; every norm launch of a step asks."""
+    return torch._C._cuda_getCurrentRawStream(t.get_device())
 
 
 def _weight(w: torch.Tensor | None) -> tuple[int | None, int] | None:
@@ -139,17 +143,27 @@ def _norm(x, weight, gate, eps):
     return out
 
 
-def _mix_reason(sources, residual, query, norm_weight) -> str | None:
+def _residual_terms(residual) -> tuple[torch.Tensor, ...]:
+    """A sub-layer output given as one tensor, None, or the terms it is the sum of."""
+    if residual is None:
+        return ()
+    return (residual,) if isinstance(residual, torch.Tensor) else tuple(residual)
+
+
+def _mix_reason(sources, terms, query, norm_weight) -> str | None:
     if not 1 <= len(sources) <= MAX_SOURCES:
         return f"{len(sources)} sources (they take 1..{MAX_SOURCES})"
-    reason = _why_not({f"sources[{i}]": s for i, s in enumerate(sources)} | {"residual": residual},
+    if len(terms) > 2:
+        return f"a residual of {len(terms)} terms (they add up to 2)"
+    reason = _why_not({f"sources[{i}]": s for i, s in enumerate(sources)} |
+                      {f"residual[{i}]": r for i, r in enumerate(terms)},
                       {"norm_weight": norm_weight}, sources[-1].shape[-1] if sources[-1].dim() else None)
     if reason is not None:
         return reason
     shape = sources[-1].shape
     if len(shape) != 2 or shape[1] > MAX_MIX_DIM or shape[1] % 2:
         return f"sources of shape {list(shape)} (they take [T, d], even d <= {MAX_MIX_DIM})"
-    if any(s.shape != shape for s in sources) or (residual is not None and residual.shape != shape):
+    if any(s.shape != shape for s in sources) or any(r.shape != shape for r in terms):
         return "sources or residual of differing shapes"
     if query.device != sources[-1].device:
         return f"a query on {query.device} (the sources are on {sources[-1].device})"
@@ -158,16 +172,17 @@ def _mix_reason(sources, residual, query, norm_weight) -> str | None:
     return None
 
 
-def _mix_call(sources, residual, query, eps, norm_weight, norm_eps, rows, partial_out, round_mix):
+def _mix_call(sources, terms, query, eps, norm_weight, norm_eps, rows, partial_out, round_mix):
     """Launches the fused mix; returns the normed output rows."""
     sources = [s.contiguous() for s in sources]  # model tensors are already: no copies
-    residual = residual.contiguous() if residual is not None else None
+    terms = [r.contiguous() for r in terms]  # held until the launch: a copy's pointer must stay valid
+    residual, residual2 = ([r.data_ptr() for r in terms] + [None, None])[:2]
     out_tokens = rows.shape[0] if rows is not None else sources[0].shape[0]
     out = torch.empty(out_tokens, sources[0].shape[1], dtype=sources[0].dtype, device=sources[0].device)
     w_ptr, w_type = _weight(norm_weight)
     ptrs = (_p * MAX_SOURCES)(*[s.data_ptr() for s in sources])
     p = AttnResMixParams(sources=ptrs, num_sources=len(sources),
-                         residual=residual.data_ptr() if residual is not None else None,
+                         residual=residual, residual2=residual2,
                          partial_out=partial_out.data_ptr() if partial_out is not None else None,
                          rows=rows.data_ptr() if rows is not None else None, query=query.data_ptr(), eps=float(eps),
                          norm_weight=w_ptr, norm_weight_type=w_type, norm_eps=float(norm_eps),
@@ -180,26 +195,27 @@ def _mix_call(sources, residual, query, eps, norm_weight, norm_eps, rows, partia
 
 def attn_res_mix_norm(sources, residual, query, eps, norm_weight, norm_eps):
     """``reference.attn_res_mix_norm`` in one kernel: (normed bf16 input, partial sum)."""
-    reason = _mix_reason(sources, residual, query, norm_weight)
+    terms = _residual_terms(residual)
+    reason = _mix_reason(sources, terms, query, norm_weight)
     if reason is not None:
         return fall_back("attn_res_mix_norm", reason, reference.attn_res_mix_norm, sources, residual, query, eps,
                          norm_weight, norm_eps)
     # without a residual the partial sum is the last source itself, and no copy is written
-    partial = torch.empty_like(sources[-1]) if residual is not None else sources[-1]
-    out = _mix_call(sources, residual, query, eps, norm_weight, norm_eps, None,
-                    partial if residual is not None else None, False)
+    partial = torch.empty_like(sources[-1]) if terms else sources[-1]
+    out = _mix_call(sources, terms, query, eps, norm_weight, norm_eps, None, partial if terms else None, False)
     return out, partial
 
 
 def attn_res_final_norm(sources, residual, query, eps, rows, norm_weight, norm_eps):
     """``reference.attn_res_final_norm`` in one kernel, over the ``rows`` tokens only."""
-    reason = _mix_reason(sources, residual, query, norm_weight)
+    terms = _residual_terms(residual)
+    reason = _mix_reason(sources, terms, query, norm_weight)
     if reason is None and (rows.dtype != torch.int32 or rows.dim() != 1 or rows.device != sources[-1].device):
         reason = f"rows of dtype {_dtype_name(rows)} on {rows.device} (they take an int32 CUDA vector)"
     if reason is not None:
         return fall_back("attn_res_final_norm", reason, reference.attn_res_final_norm, sources, residual, query,
                          eps, rows, norm_weight, norm_eps)
-    return _mix_call(sources, residual, query, eps, norm_weight, norm_eps, rows.contiguous(), None, True)
+    return _mix_call(sources, terms, query, eps, norm_weight, norm_eps, rows.contiguous(), None, True)
 
 
 SIGMOID_GATE = 2  # K3_GLU_SIGMOID_GATE

@@ -14,21 +14,35 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return (x.float() * torch.sigmoid(gate.float())).to(x.dtype)
 
 
-def partial_sum(partial: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    return partial if residual is None else partial + residual
+# A sub-layer's output: one tensor, or the terms it is the sum of (see partial_sum), or none.
+Residual = torch.Tensor | tuple[torch.Tensor, ...] | None
 
 
-def attn_res_mix_norm(sources: list[torch.Tensor], residual: torch.Tensor | None, query: torch.Tensor, eps: float,
+def partial_sum(partial: torch.Tensor, residual: Residual) -> torch.Tensor:
+    """P + a, where the sub-layer output a may come as the terms it is the sum of (the latent
+    MoE's routed and shared experts), added first, in order, in the stream's dtype."""
+    if residual is None:
+        return partial
+    if not isinstance(residual, torch.Tensor):
+        first, *rest = residual
+        for term in rest:
+            first = first + term
+        residual = first
+    return partial + residual
+
+
+def attn_res_mix_norm(sources: list[torch.Tensor], residual: Residual, query: torch.Tensor, eps: float,
                       norm_weight: torch.Tensor, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """A sub-layer's input (spec §4.7.2): the partial sum P = sources[-1] (+ ``residual``, the
-    previous sub-layer's output, when given), the AttnRes mix of the blocks ``sources[:-1]`` and P
-    in fp32, its RMSNorm rounded once to P's dtype. Returns (normed input, P)."""
+    previous sub-layer's output, when given: a tensor or its terms, see ``partial_sum``), the
+    AttnRes mix of the blocks ``sources[:-1]`` and P in fp32, its RMSNorm rounded once to P's
+    dtype. Returns (normed input, P)."""
     partial = partial_sum(sources[-1], residual)
     h = mix(list(sources[:-1]) + [partial], query, eps)
     return rms_norm(h, norm_weight, norm_eps).to(partial.dtype), partial
 
 
-def attn_res_final_norm(sources: list[torch.Tensor], residual: torch.Tensor | None, query: torch.Tensor, eps: float,
+def attn_res_final_norm(sources: list[torch.Tensor], residual: Residual, query: torch.Tensor, eps: float,
                         rows: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """The model's output rows ``rows``: the final AttnRes mix rounded to the stream's dtype,
     then the final RMSNorm (``ln_f``), as ``K3ForCausalLM`` computes them."""

@@ -11,20 +11,25 @@ sequence's next token does not depend on what else shares the step. Used by the
 runtime tests and to time the runtime without a model.
 
 Prefix-cache snapshot rows (``snapshot_slots`` of them, after the ``max_slots`` running rows)
-hold token histories too and ``copy_states`` copies them, so restoring the wrong snapshot, or
-one whose blocks were overwritten since, raises at the next step.
+hold token histories too; ``copy_states`` copies them and a prefill step writes the ones its
+``snapshot_offsets`` ask for (the history up to that point), under the rules of the KDA
+prefill contract, so restoring the wrong snapshot, or one whose blocks were overwritten since,
+raises at the next step, and so does a snapshot point the kernels could not take.
 """
 from __future__ import annotations
 
 import torch
 
 from k3_trtllm.model.step import StepInputs
+from k3_trtllm.ops.contract import KDA_CHUNK
 
 _NUM_LOGIT_ROWS = 4096
 _HASH_MODULUS = (1 << 61) - 1
 
 
 class SyntheticExecutor:
+    writes_snapshots = True
+
     def __init__(self, vocab_size: int, num_blocks: int, block_size: int, max_slots: int,
                  seed: int = 0, snapshot_slots: int = 0) -> None:
         self.vocab_size = vocab_size
@@ -57,6 +62,7 @@ class SyntheticExecutor:
                              f"{'decode' if decode else 'prefill'}")
         slot_mapping = step.slot_mapping.tolist()
         tables = step.block_tables.tolist()
+        points = self._snapshot_points(step, decode, cu)
         history_rows = []
         for b, (ctx, slot, has_state) in enumerate(zip(step.context_lens.tolist(), step.state_slots.tolist(),
                                                         step.has_initial_state.tolist())):
@@ -71,8 +77,33 @@ class SyntheticExecutor:
                 state.append(ids[t])
                 h = (h * 1_000_003 + ids[t] + 1) % _HASH_MODULUS
                 history_rows.append(h % _NUM_LOGIT_ROWS)
+                if (row := points[b].get(t + 1 - cu[b])) is not None:
+                    self.state_rows[row], self.state_hashes[row] = list(state), h
             self.state_hashes[slot] = h
         return self._logit_table[[history_rows[i] for i in step.logits_indices.tolist()]]
+
+    def _snapshot_points(self, step: StepInputs, decode: bool, cu: list[int]) -> list[dict[int, int]]:
+        """Per sequence ``{tokens into its chunk: state row}``, checked as the KDA prefill checks them."""
+        if step.snapshot_offsets is None:
+            return [{} for _ in cu[1:]]
+        if decode:
+            raise ValueError("a decode step carries snapshot points (the decode ops take none)")
+        points, used = [], set()
+        for b, (offs, rows) in enumerate(zip(step.snapshot_offsets.tolist(), step.snapshot_rows.tolist())):
+            n, mine, last = cu[b + 1] - cu[b], {}, 0
+            for o, r in zip(offs, rows):
+                if o == -1:
+                    continue
+                row = self.max_slots + r
+                if not (last < o <= n and (o % KDA_CHUNK == 0 or o == n)):
+                    raise ValueError(f"sequence {b}: snapshot point {o} of a {n}-token chunk (after {last}) is "
+                                     f"not a {KDA_CHUNK}-token boundary or its end")
+                if not self.max_slots <= row < len(self.state_rows) or row in used:
+                    raise ValueError(f"sequence {b}: snapshot row {r} out of range or taken twice")
+                mine[o], last = row, o
+                used.add(row)
+            points.append(mine)
+        return points
 
     def _state(self, slot: int, ctx: int, has_state: int) -> list[int]:
         if not 0 <= slot < self.max_slots:

@@ -59,6 +59,30 @@ int k3_mla_latent_attention(const void* q_lat, const void* q, const int* cu_seql
                             int qk_rope_head_dim, int kv_lora_rank, float softmax_scale, void* workspace,
                             size_t workspace_bytes, cudaStream_t stream);
 
+// The fp8 latent cache (contracts K3MlaDecodeFp8 / K3MlaPrefillFp8, K3MlaFp8Params; rows of
+// R E4M3 codes | R/Q fp32 scales | DR bf16 rope values, k3/mla/fp8_latent.cuh): the launchers
+// above with the latents quantised on insert and dequantised on read. Also needs
+// scale_group > 0, a multiple of 16 dividing kv_lora_rank, and rows of a multiple of 16 bytes;
+// else cudaErrorInvalidValue. Decode workspace: k3_mla_workspace_size; the expanded prefill's
+// adds one bf16 row per pass key.
+int k3_mla_decode_fp8(const K3MlaFp8Params* p, cudaStream_t stream);
+int k3_mla_prefill_fp8(const K3MlaFp8Params* p, cudaStream_t stream);
+int k3_mla_prefill_expanded_fp8(const K3MlaFp8Params* p, cudaStream_t stream);
+size_t k3_mla_prefill_fp8_workspace_size(int num_tokens, int num_seqs, int num_heads, int qk_nope_head_dim,
+                                         int qk_rope_head_dim, int kv_lora_rank, int v_head_dim, int max_blocks,
+                                         int block_size);
+int k3_mla_prefill_fp8_uses_expanded(int num_tokens, int num_seqs, int num_heads, int qk_nope_head_dim,
+                                     int qk_rope_head_dim, int kv_lora_rank, int v_head_dim, int max_blocks,
+                                     int block_size, size_t workspace_bytes);
+size_t k3_mla_prefill_expanded_fp8_workspace_size(int num_tokens, int num_seqs, int num_heads, int qk_nope_head_dim,
+                                                  int qk_rope_head_dim, int kv_lora_rank, int v_head_dim,
+                                                  int max_blocks, int block_size, int key_chunk);
+int k3_mla_latent_attention_fp8(const void* q_lat, const void* q, const int* cu_seqlens, const int* context_lens,
+                                const int* block_tables, const void* latent_cache, void* a_lat, int num_tokens,
+                                int num_seqs, int max_blocks, int block_size, int num_heads, int qk_nope_head_dim,
+                                int qk_rope_head_dim, int kv_lora_rank, float softmax_scale, int scale_group,
+                                void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -43,15 +43,19 @@ typedef struct K3RmsNormParams {
 } K3RmsNormParams;
 
 // AttnRes mix fused with the RMSNorm that consumes it (spec §4.7, ops/attn_res.py `mix`):
-//   p      = residual ? bf16(sources[n-1] + residual) : sources[n-1]   (the partial sum)
+//   a      = residual2 ? bf16(residual + residual2) : residual           (the sub-layer output)
+//   p      = residual ? bf16(sources[n-1] + a) : sources[n-1]           (the partial sum)
 //   l_s    = (v_s . query) * rsqrt(mean(v_s^2) + eps)   over v_0..v_{n-2} = sources, v_{n-1} = p
 //   mix    = sum_s softmax(l)_s * v_s                    (fp32; bf16-rounded if round_mix)
 //   out[j] = bf16(mix * rsqrt(mean(mix^2) + norm_eps) * norm_weight)   for token rows[j] (or j)
 // sources: bf16 [tokens, dim], contiguous; partial_out (optional, only without rows) receives p.
+// residual2 (optional, only with residual): a sub-layer output that is the sum of two products
+// (the latent MoE's routed and shared experts), added here instead of by a kernel of its own.
 typedef struct K3AttnResMixParams {
   const void* sources[K3_ATTN_RES_MAX_SOURCES];
   int num_sources;
   const void* residual;
+  const void* residual2;
   void* partial_out;
   const int* rows;  // int32 [out_tokens] or null (then out_tokens = tokens)
   const float* query;

@@ -20,11 +20,17 @@ typedef struct K3KdaParams {
   const int* has_initial_state;  // int32 [B]: 0: start from zero state (new sequence), 1: continue from the slot; a sequence with no tokens leaves its slot untouched
   void* conv_state;              // act [S, 3*P, W-1], updated in place: last W-1 raw qkv inputs per slot, oldest first
   float* recurrent_state;        // fp32 [S, H, K, V], updated in place: K-major delta-rule state S = M^T per slot and head
+  const int* snapshot_offsets;   // int32 [B, N]: per sequence, up to N snapshot points o (tokens of this step's tokens of the sequence): strictly increasing, each a multiple of KDA_CHUNK (64) or the sequence's token count, then -1 (none); kda_decode takes none (every entry -1)
+  const int* snapshot_rows;      // int32 [B, N]: the snapshot_conv / snapshot_recurrent row each snapshot point writes (distinct over the step); ignored where the offset is -1
+  void* snapshot_conv;           // act [Ns, 3*P, W-1], updated in place: conv_state rows at the snapshot points (the W-1 raw qkv inputs before the point)
+  float* snapshot_recurrent;     // fp32 [Ns, H, K, V], updated in place: recurrent_state rows at the snapshot points
   void* out;                     // act [T, P]: core output o (before o_norm and the output gate)
   void* workspace;               // device scratch, 16-byte aligned
   int num_tokens;                // T = qkv.shape[0]
   int num_seqs;                  // B = state_slots.shape[0]
   int conv_width;                // W = conv_weight.shape[1]
+  int snapshot_width;            // N = snapshot_offsets.shape[1]
+  int snapshot_slots;            // Ns = snapshot_conv.shape[0]
   int num_heads;
   int head_dim;
   float lower_bound;             // gate lower bound lb in [-5, 0): g = lb*sigmoid(exp(A_log)*(f+dt_bias)); 0.0 selects the softplus gate g = -exp(A_log)*softplus(f+dt_bias)
@@ -54,8 +60,36 @@ typedef struct K3MlaParams {
   int kv_lora_rank;
   int v_head_dim;
   float softmax_scale;
-  int key_chunk;            // keys per pass of k3_mla_prefill_expanded (0: the default cap); the other launchers ignore it
+  int key_chunk;            // keys per pass of k3_mla_prefill_expanded[_fp8] (0: the default cap); the other launchers ignore it
 } K3MlaParams;
+
+// The launchers of K3MlaPrefillFp8, K3MlaDecodeFp8.
+typedef struct K3MlaFp8Params {
+  const void* q;            // act [T, H, Dn+Dr]: per head: nope channels then rope channels
+  const void* latent;       // act [T, R+Dr]: this step's [kv_a_layernorm(c_kv) | k_pe] rows to insert
+  const void* w_uk;         // act [H, Dn, R]: kv_b_proj rows of the keys, per head
+  const void* w_uv;         // act [H, Dv, R]: kv_b_proj rows of the values, per head
+  const int* cu_seqlens;    // int32 [B+1]
+  const int* context_lens;  // int32 [B]: tokens of the sequence already in the cache
+  const int* block_tables;  // int32 [B, max_blocks]
+  const int* slot_mapping;  // int32 [T]: block*block_size+offset of each new token
+  uint8_t* latent_cache;    // uint8 [num_blocks, block_size, R+4*R/Q+2*Dr], updated in place: per token: R E4M3 codes, R/Q little-endian fp32 scales, Dr bf16 rope values
+  void* out;                // act [T, H*Dv]
+  void* workspace;          // device scratch, 16-byte aligned
+  size_t workspace_bytes;   // bytes at workspace
+  int num_tokens;           // T = q.shape[0]
+  int num_seqs;             // B = context_lens.shape[0]
+  int max_blocks;           // max_blocks = block_tables.shape[1]
+  int block_size;           // block_size = latent_cache.shape[1]
+  int num_heads;
+  int qk_nope_head_dim;
+  int qk_rope_head_dim;
+  int kv_lora_rank;
+  int v_head_dim;
+  float softmax_scale;
+  int scale_group;          // latent channels per fp32 scale Q (divides R, a multiple of 16)
+  int key_chunk;            // keys per pass of k3_mla_prefill_expanded[_fp8] (0: the default cap); the other launchers ignore it
+} K3MlaFp8Params;
 
 // The launchers of K3SituMoe.
 typedef struct K3SituMoeParams {

@@ -13,7 +13,8 @@
 //      no operand copy is kept in shared memory;
 //   D. Q⊙e^Γ, K⊙e^{Γn−Γ}, e^{Γn} to the workspace, β⊙K⊙e^Γ in place over k; meanwhile four
 //      warps invert the diagonal 16 x 16 blocks of L = A_kk (forward substitution, fp32);
-//   E. the off-diagonal blocks of Linv = (I + A_kk)^{-1} block-row by block-row, in place;
+//   E. the off-diagonal blocks of Linv = (I + A_kk)^{-1} block-row by block-row, in place
+//      (a thread per 4 adjacent columns);
 //   F. W = Linv·(β⊙K⊙e^Γ), U = Linv·(β⊙V) on tensor cores.
 #pragma once
 
@@ -125,20 +126,42 @@ __device__ __forceinline__ uint32_t scaled_by(const __nv_bfloat16* x, float s, f
   return bf16x2_bits(v.x * s * e.x, v.y * s * e.y);
 }
 
+// Stage A's per-thread constants: the conv taps of channel pair `pair` (pairs 0..3D/2-1 of
+// q|k|v), or for a gate pair dt_bias of its two channels in w0[0], w1[0]. Loaded at the start
+// of the kernel, so that their global round trip overlaps the staging copies.
+template <int W>
+struct PairTaps {
+  float w0[W], w1[W];
+};
+
+template <int D, int W>
+__device__ __forceinline__ PairTaps<W> load_pair_taps(const Params& p, int pair, int h) {
+  PairTaps<W> t{};
+  if (pair < 3 * D / 2) {
+    const int c = 2 * pair, part = c / D;
+    const int64_t ch = (int64_t)part * p.num_heads * D + h * D + c % D;
+#pragma unroll
+    for (int i = 0; i < W; ++i) {
+      t.w0[i] = p.conv_weight[ch * W + i];
+      t.w1[i] = p.conv_weight[(ch + 1) * W + i];
+    }
+  } else if (pair < 2 * D) {
+    const int c = 2 * (pair - 3 * D / 2);
+    t.w0[0] = p.dt_bias[h * D + c];
+    t.w1[0] = p.dt_bias[h * D + c + 1];
+  }
+  return t;
+}
+
 // Stage A (conv channels): the thread's channel pair c, c+1 of q|k|v walks the 64 rows; the
 // output of row r replaces staged row r, whose raw value the walk has already read.
 template <int D, int W>
-__device__ __forceinline__ void conv_pair(const Params& p, __nv_bfloat16* sQKV, const float* sBeta,
-                                          int pair, int h, int n) {
+__device__ __forceinline__ void conv_pair(__nv_bfloat16* sQKV, const float* sBeta, const PairTaps<W>& taps,
+                                          int pair, int n) {
   constexpr int LQ = PrepareLayout<D, W>::LQ;
   const int c = 2 * pair, part = c / D;  // 0: q, 1: k, 2: v
-  const int64_t ch = (int64_t)part * p.num_heads * D + h * D + c % D;
-  float w0[W], w1[W];
-#pragma unroll
-  for (int i = 0; i < W; ++i) {
-    w0[i] = p.conv_weight[ch * W + i];
-    w1[i] = p.conv_weight[(ch + 1) * W + i];
-  }
+  const float* w0 = taps.w0;
+  const float* w1 = taps.w1;
   __nv_bfloat16* col = sQKV + c;
   float2 hist[W - 1];
 #pragma unroll
@@ -162,10 +185,12 @@ __device__ __forceinline__ void conv_pair(const Params& p, __nv_bfloat16* sQKV, 
 #pragma unroll
       for (int j = 0; j + 1 < W - 1; ++j) hist[j] = hist[j + 1];
       hist[W - 2] = x[i];
-      float y0 = round_bf16(fast_silu(a0)), y1 = round_bf16(fast_silu(a1));
+      // q, k: one rounding to bf16 (the model's) straight into the packed pair; v: the bf16
+      // value times β, rounded again (β⊙V is an operand)
+      float y0 = fast_silu(a0), y1 = fast_silu(a1);
       if (part == 2) {
-        y0 *= sBeta[r];
-        y1 *= sBeta[r];
+        y0 = round_bf16(y0) * sBeta[r];
+        y1 = round_bf16(y1) * sBeta[r];
       }
       if (r >= n) y0 = y1 = 0.f;
       *reinterpret_cast<__nv_bfloat162*>(col + r * LQ) = pack_bf16(y0, y1);
@@ -176,12 +201,12 @@ __device__ __forceinline__ void conv_pair(const Params& p, __nv_bfloat16* sQKV, 
 // Stage A (gate channels): gate of channels c, c+1 in log2 units, summed along the chunk
 // into Γ (rows past the end add nothing). The chunked path runs only with a lower bound
 // (lb·σ(a·z)); the sigmoid uses the intrinsics (Γ stays fp32, a few ulp).
-template <int D>
+template <int D, int W>
 __device__ __forceinline__ void gate_pair(const Params& p, const __nv_bfloat16* sGraw, float* sG,
-                                          int pair, int h, float a_h, int n) {
+                                          const PairTaps<W>& taps, int pair, float a_h, int n) {
   constexpr int LG = D + 8;
   const int c = 2 * pair;
-  const float b0 = p.dt_bias[h * D + c], b1 = p.dt_bias[h * D + c + 1];
+  const float b0 = taps.w0[0], b1 = taps.w1[0];
   const float lb2 = p.lower_bound * kLog2e;
   float run0 = 0.f, run1 = 0.f;
   for (int r0 = 0; r0 < kChunk; r0 += 8) {
@@ -221,17 +246,28 @@ __global__ void __launch_bounds__(kPrepThreads, 2)
   __nv_bfloat16* sK = sQKV + D;       // then β⊙K⊙e^Γ
   __nv_bfloat16* sBV = sQKV + 2 * D;  // β⊙V
 
-  if ((int)blockIdx.x >= starts[p.num_seqs]) return;
-  const int b = chunk_sequence(starts, p.num_seqs, blockIdx.x);
+  const int chunk = blockIdx.x, h = blockIdx.y;
+  if (chunk >= starts[p.num_seqs]) return;
+  const int b = chunk_sequence(starts, p.num_seqs, chunk);
   const int bos = p.cu_seqlens[b], eos = p.cu_seqlens[b + 1];
-  const int t0 = bos + (blockIdx.x - starts[b]) * kChunk, n = min(kChunk, eos - t0);
-  const int h = blockIdx.y;
+  const int t0 = bos + (chunk - starts[b]) * kChunk, n = min(kChunk, eos - t0);
   const int H = p.num_heads, P = H * D, P3 = 3 * P;
   const int slot = p.state_slots[b];
   const bool continues = p.has_initial_state[b] != 0;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  __nv_bfloat16* out = work + ((int64_t)blockIdx.x * H + h) * Work::ELEMS;
+  __nv_bfloat16* out = work + ((int64_t)chunk * H + h) * Work::ELEMS;
+#ifdef K3_KDA_PREP_STOP  // measurement: return after stage K3_KDA_PREP_STOP (0, A, C, D, E)
+#define K3_PREP_STOP_AT(k)                                                     \
+  if (K3_KDA_PREP_STOP == (k)) {                                               \
+    out[tid] = reinterpret_cast<const __nv_bfloat16*>(smem)[tid * 37 % 4096];  \
+    return;                                                                    \
+  }
+#else
+#define K3_PREP_STOP_AT(k)
+#endif
   const float a_h = expf(p.A_log[h]);
+  static_assert(2 * D <= kPrepThreads, "one channel pair (q|k|v or gate) per thread");
+  const PairTaps<W> taps = load_pair_taps<D, W>(p, tid, h);
 
   // ---- 0. stage the raw inputs (16-byte copies, all in flight at once) ----
 #pragma unroll
@@ -246,12 +282,11 @@ __global__ void __launch_bounds__(kPrepThreads, 2)
     sBeta[tid] = tid < n ? sigmoid(__bfloat162float(p.beta[(int64_t)(t0 + tid) * H + h])) : 0.f;
   cp_async_wait_all();
   __syncthreads();
+  K3_PREP_STOP_AT(0)
 
   // ---- A. conv + SiLU of q, k, v (in place), Γ; then the row norms of q, k ----
-  for (int pair = tid; pair < 2 * D; pair += kPrepThreads) {
-    if (pair < 3 * D / 2) conv_pair<D, W>(p, sQKV, sBeta, pair, h, n);
-    else gate_pair<D>(p, sGraw, sG, pair - 3 * D / 2, h, a_h, n);
-  }
+  if (tid < 3 * D / 2) conv_pair<D, W>(sQKV, sBeta, taps, tid, n);
+  else if (tid < 2 * D) gate_pair<D, W>(p, sGraw, sG, taps, tid - 3 * D / 2, a_h, n);
   __syncthreads();
   {
     const float scale = rsqrtf((float)D);
@@ -275,6 +310,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2)
     }
   }
   __syncthreads();
+  K3_PREP_STOP_AT(1)
 
   // ---- C. A_qk (j <= r) to the workspace, A_kk = β_r·(...) (j < r) to sL ----
   // Warp units (row block a, column blocks cb0..cb0+ncb-1) of both products: q̂ and k̂ rows of
@@ -343,6 +379,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2)
     }
   }
   __syncthreads();
+  K3_PREP_STOP_AT(2)
 
   // ---- D1. diagonal blocks of Linv, in place over L (warps 0-3; a lane owns a column) ----
   if (warp < 4) {
@@ -395,9 +432,14 @@ __global__ void __launch_bounds__(kPrepThreads, 2)
   }
   if (tid < D) reinterpret_cast<float*>(out + Work::DECAY)[tid] = fast_exp2(sG[(kChunk - 1) * LG + tid]);
   __syncthreads();
+  K3_PREP_STOP_AT(3)
 
   // ---- E. off-diagonal blocks: Linv_ab = −Linv_aa · Σ_{c=b}^{a−1} L_ac · Linv_cb, in place
-  // (round a reads L only in its block row a, before the second half overwrites it) ----
+  // (round a reads L only in its block row a, before the second half overwrites it). A thread
+  // computes 4 adjacent columns (a float4 of the right operand per k, one scalar of the left):
+  // 2 shared loads per 4 FMAs instead of 8, and 4 independent sums; the k order of every sum
+  // is unchanged. K3_KDA_PREP_E_SCALAR: one output per thread (session 13; measurement). ----
+#ifdef K3_KDA_PREP_E_SCALAR
   for (int a = 1; a < 4; ++a) {
     for (int idx = tid; idx < a * 256; idx += kPrepThreads) {
       const int bb = idx / 256, i = (idx / 16) % 16, j = idx % 16;
@@ -419,6 +461,39 @@ __global__ void __launch_bounds__(kPrepThreads, 2)
     }
     __syncthreads();
   }
+#else
+  static_assert(LA % 4 == 0, "float4 rows of L");
+  for (int a = 1; a < 4; ++a) {
+    // unit = (column block bb, row i, 4 columns j..j+3); a·64 units, at most 192 threads
+    const int bb = tid / 64, i = (tid / 4) % 16, j = 4 * (tid % 4);
+    if (bb < a) {
+      const float* lrow = sL + (16 * a + i) * LA;
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int k0 = 16 * bb; k0 < 16 * a; k0 += 16)
+#pragma unroll
+        for (int k = k0; k < k0 + 16; ++k) {
+          const float l = lrow[k];
+          const float4 x = *reinterpret_cast<const float4*>(sL + k * LA + 16 * bb + j);
+          acc.x += l * x.x, acc.y += l * x.y, acc.z += l * x.z, acc.w += l * x.w;
+        }
+      *reinterpret_cast<float4*>(sT + bb * 256 + i * 16 + j) = acc;
+    }
+    __syncthreads();
+    if (bb < a) {
+      const float* lrow = sL + (16 * a + i) * LA + 16 * a;
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int k = 0; k < 16; ++k) {
+        const float l = lrow[k];
+        const float4 x = *reinterpret_cast<const float4*>(sT + bb * 256 + k * 16 + j);
+        acc.x += l * x.x, acc.y += l * x.y, acc.z += l * x.z, acc.w += l * x.w;
+      }
+      *reinterpret_cast<float4*>(sL + (16 * a + i) * LA + 16 * bb + j) =
+          make_float4(-acc.x, -acc.y, -acc.z, -acc.w);
+    }
+    __syncthreads();
+  }
+#endif
   // the bf16 copy for step F (blocks above the diagonal are never read)
   for (int idx = tid; idx < kChunk * kChunk / 2; idx += kPrepThreads) {
     const int r = idx / (kChunk / 2), j = 2 * (idx % (kChunk / 2));
@@ -426,6 +501,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2)
       *reinterpret_cast<__nv_bfloat162*>(sLinvB + r * LAB + j) = pack_bf16(sL[r * LA + j], sL[r * LA + j + 1]);
   }
   __syncthreads();
+  K3_PREP_STOP_AT(4)
 
   // ---- F. W = Linv·Kb, U = Linv·βV: units of 16 rows x 16 columns ----
   constexpr int NB = D / 16;
@@ -450,6 +526,8 @@ __global__ void __launch_bounds__(kPrepThreads, 2)
       }
   }
 }
+
+#undef K3_PREP_STOP_AT
 
 }  // namespace kda
 }  // namespace k3

@@ -58,6 +58,27 @@ __device__ __forceinline__ void load_stage(__nv_bfloat16* st, const __nv_bfloat1
   cp_async_commit();
 }
 
+// The CTA's D x BV slice of the fp32 state, from the state-update accumulators, to `dst`
+// (row stride D): the final state, or a prefix-cache snapshot at a chunk boundary.
+template <int D, int NP, int SU>
+__device__ __forceinline__ void store_state(float* dst, const float (&accS)[SU][2][4], int warp) {
+  constexpr int TILES = (D / 16) * NP;
+#pragma unroll
+  for (int i = 0; i < SU; ++i) {
+    const int tile = warp + 4 * i;
+    if (tile >= TILES) continue;
+    const int m0 = 16 * (tile / NP), n0 = 16 * (tile % NP);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = m0 + acc_row(2 * half), c = n0 + 8 * nt + acc_col(0);
+        *reinterpret_cast<float2*>(dst + r * D + c) =
+            make_float2(accS[i][nt][2 * half], accS[i][nt][2 * half + 1]);
+      }
+  }
+}
+
 template <int D, int BV, int NS>
 __global__ void __launch_bounds__(kWalkThreads, 3 - NS)
     chunk_walk_kernel(Params p, const __nv_bfloat16* work, const int* starts) {
@@ -85,6 +106,9 @@ __global__ void __launch_bounds__(kWalkThreads, 3 - NS)
   if (NS == 2) load_stage<D, BV>(smem, w0, vt);
 
   float* state = p.recurrent_state + ((int64_t)slot * H + h) * D * D + vt * BV;
+  // prefix-cache snapshot points of this sequence, in increasing order: the next one
+  const int* snap_at = p.snapshot_offsets + (int64_t)b * p.snapshot_width;
+  int snap = 0, snap_tokens = p.snapshot_width > 0 ? snap_at[0] : -1;
   float accS[SU][2][4];
 #pragma unroll
   for (int i = 0; i < SU; ++i) {
@@ -200,22 +224,16 @@ __global__ void __launch_bounds__(kWalkThreads, 3 - NS)
               pack_bf16(accS[i][nt][2 * half], accS[i][nt][2 * half + 1]);
         }
     }
+    // the state after this chunk is the one at a snapshot point asking for it (uniform branch)
+    if (snap_tokens == t0 - bos + n) {
+      const int dst_row = p.snapshot_rows[(int64_t)b * p.snapshot_width + snap];
+      if (dst_row >= 0 && dst_row < p.snapshot_slots)
+        store_state<D, NP, SU>(p.snapshot_recurrent + ((int64_t)dst_row * H + h) * D * D + vt * BV, accS, warp);
+      snap_tokens = ++snap < p.snapshot_width ? snap_at[snap] : -1;
+    }
   }
 
-#pragma unroll
-  for (int i = 0; i < SU; ++i) {
-    const int tile = warp + 4 * i;
-    if (tile >= TILES) continue;
-    const int m0 = 16 * (tile / NP), n0 = 16 * (tile % NP);
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = m0 + acc_row(2 * half), c = n0 + 8 * nt + acc_col(0);
-        *reinterpret_cast<float2*>(state + r * D + c) =
-            make_float2(accS[i][nt][2 * half], accS[i][nt][2 * half + 1]);
-      }
-  }
+  store_state<D, NP, SU>(state, accS, warp);
 }
 
 }  // namespace kda

@@ -28,5 +28,27 @@ __global__ void conv_state_kernel(Params p, int P3) {
   for (int k = 0; k < W - 1; ++k) row[k] = x[k];
 }
 
+// Conv state at each prefix-cache snapshot point o of a sequence (one z-slice of the grid per
+// entry of snapshot_offsets): the W-1 raw inputs before token o, from the old conv state where
+// they precede the step. Runs before conv_state_kernel overwrites that state.
+template <int W>
+__global__ void conv_snapshot_kernel(Params p, int P3) {
+  const int b = blockIdx.y, n = blockIdx.z, ch = blockIdx.x * blockDim.x + threadIdx.x;
+  const int at = b * p.snapshot_width + n;
+  const int o = p.snapshot_offsets[at], row = p.snapshot_rows[at];
+  const int bos = p.cu_seqlens[b], len = p.cu_seqlens[b + 1] - bos;
+  // the op's checks (reference) reject bad points; the kernel only never writes out of bounds
+  if (ch >= P3 || o <= 0 || o > len || row < 0 || row >= p.snapshot_slots) return;
+  const bool continues = p.has_initial_state[b] != 0;
+  const __nv_bfloat16* old = p.conv_state + ((int64_t)p.state_slots[b] * P3 + ch) * (W - 1);
+  __nv_bfloat16* dst = p.snapshot_conv + ((int64_t)row * P3 + ch) * (W - 1);
+#pragma unroll
+  for (int k = 0; k < W - 1; ++k) {
+    const int s = o - (W - 1) + k;  // token index into the sequence's step tokens
+    dst[k] = s >= 0 ? p.qkv[(int64_t)(bos + s) * P3 + ch]
+                    : (continues ? old[o + k] : __float2bfloat16_rn(0.f));
+  }
+}
+
 }  // namespace kda
 }  // namespace k3

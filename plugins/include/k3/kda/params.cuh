@@ -21,6 +21,12 @@ struct Params {
   const int* has_initial_state;   // [B]
   __nv_bfloat16* conv_state;      // [S, 3P, W-1], in place
   float* recurrent_state;         // [S, H, K, V] fp32 K-major, in place
+  const int* snapshot_offsets;    // [B, N] prefix-cache snapshot points (tokens into the step), -1: none
+  const int* snapshot_rows;       // [B, N] their rows of the snapshot pools
+  __nv_bfloat16* snapshot_conv;   // [Ns, 3P, W-1], written at the points (chunked prefill only)
+  float* snapshot_recurrent;      // [Ns, H, K, V], written at the points (chunked prefill only)
+  int snapshot_width;             // N
+  int snapshot_slots;             // Ns
   __nv_bfloat16* out;             // [T, P]
   int num_seqs;                   // B
   int num_heads;                  // H

@@ -258,6 +258,36 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
 // The state copies and stores carry no cache hints: with the ping-pong consumers, L2
 // evict-first loads + st.global.cs stores ran 5-6% slower at B = 256 (session 13; session
 // 11's single 8-warp consumer had run at half speed without them).
+// The copies of the state and conv-state rows are L2 evict-last, so that the in-place stores
+// of the same lines, ~2 items later, find them in L2 (session 16: +2.5 points of copy at
+// B=256; K3_KDA_DEC_NO_EVICT_LAST, measurement, turns it off). Measurement switches:
+// K3_KDA_DEC_STORE_EVICT_FIRST marks the state stores evict-first (written lines leave L2
+// first), K3_KDA_DEC_STAGES sets the ring depth.
+__device__ __forceinline__ uint64_t l2_policy_evict_last() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ uint64_t l2_policy_evict_first() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ void bulk_load_hint(void* dst, const void* src, uint32_t bytes,
+                                               uint64_t* bar, uint64_t pol) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+      ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(pol) : "memory");
+}
+__device__ __forceinline__ void store_state4(float* dst, float4 v, uint64_t pol) {
+#ifdef K3_KDA_DEC_STORE_EVICT_FIRST
+  asm volatile("st.global.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;"
+               ::"l"(dst), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "l"(pol) : "memory");
+#else
+  (void)pol;
+  *reinterpret_cast<float4*>(dst) = v;
+#endif
+}
 
 // Consumers of decode_kernel: kDecodeGroups groups of 4 warps; group g takes the CTA's
 // items g, g + kDecodeGroups, ... (ping-pong), so one group's loads from the stage, conv
@@ -308,9 +338,21 @@ struct DecodeStage {
   static constexpr int BYTES = CONV + 3 * D * (W - 1) * 2;  // every part a multiple of 16
   static constexpr int kBudget =
       227 * 1024 - 2 * kDecodeGroups * (int)sizeof(TokenScratch<D>) - 256;
-  static constexpr int kStages = BYTES * 4 <= kBudget ? 4 : kBudget / BYTES;
+  // two stages (session 16: 85.5% of copy at B=256 with the evict-last copies, 83.7% with three)
+#ifdef K3_KDA_DEC_STAGES
+  static constexpr int kStages = K3_KDA_DEC_STAGES;
+#else
+  static constexpr int kStages = 2;
+#endif
   static constexpr int SMEM = kStages * BYTES;
-  static_assert(kStages >= 2, "two stages fit in shared memory");
+  static_assert(kStages >= 1 && SMEM <= kBudget, "the stages fit in shared memory");
+  // "stage full" barriers: one per (stage, consumer group) pair, item k on k % FULL_BARS, so
+  // that a barrier's consecutive phases are items of one group. With one barrier per stage,
+  // items k - kStages and k of a stage belong to different groups when kStages is odd, and a
+  // group that has finished item k - 2 could wait for item k while the stage's phase of item
+  // k - kStages (the other group's) was still pending: a parity wait cannot tell the two
+  // phases apart and passes (session 16: illegal address at B = 64, one token per sequence).
+  static constexpr int FULL_BARS = kStages * kDecodeGroups;
 };
 
 constexpr int kStateChunk = 4096;  // floats per bulk copy of a state
@@ -416,6 +458,22 @@ __device__ __forceinline__ void group_sync(int group) {  // named barriers 1, 2,
   asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "n"(kGroupThreads) : "memory");
 }
 
+// The new conv-state rows of the group's item (thread t's channels of head h).
+template <int D, int W>
+__device__ __forceinline__ void decode_store_conv(const Params& p,
+                                                  const float (&hist)[GroupTile<D>::kChanIters][W - 1],
+                                                  int t, int h, int slot) {
+  const int P = p.num_heads * D, P3 = 3 * P;
+#pragma unroll
+  for (int it = 0; it < GroupTile<D>::kChanIters; ++it) {
+    const int c = t + it * kGroupThreads;
+    if (c >= 3 * D) continue;
+    __nv_bfloat16* row = p.conv_state + ((int64_t)slot * P3 + (c / D) * P + h * D + c % D) * (W - 1);
+#pragma unroll
+    for (int j = 0; j < W - 1; ++j) row[j] = __float2bfloat16_rn(hist[it][j]);
+  }
+}
+
 // Consumer thread of decode_kernel: group `group` (4 warps), thread t of the group, the
 // layout of GroupTile.
 template <int D, int W>
@@ -437,7 +495,7 @@ __device__ __forceinline__ void decode_consumer(const Params& p, const unsigned 
   for (int k = group; k < items.count; k += kDecodeGroups) {
     const int item = items.begin + k, h = item / p.num_seqs;
     const int s = k % NS;
-    mbar_wait(&full[s], (k / NS) & 1);
+    mbar_wait(&full[k % Stage::FULL_BARS], (k / Stage::FULL_BARS) & 1);
     const StageMeta m = meta[s];
     const unsigned char* st = ring + s * Stage::BYTES;
     const bool active = m.eos > m.bos;
@@ -501,17 +559,15 @@ __device__ __forceinline__ void decode_consumer(const Params& p, const unsigned 
       }
 
       float* state = p.recurrent_state + ((int64_t)m.slot * H + h) * D * D + r0 * D + v0;
+#ifdef K3_KDA_DEC_STORE_EVICT_FIRST
+      const uint64_t pol = l2_policy_evict_first();
+#else
+      const uint64_t pol = 0;
+#endif
 #pragma unroll
       for (int i = 0; i < RK; ++i)
-        *reinterpret_cast<float4*>(state + i * D) = make_float4(S[i][0], S[i][1], S[i][2], S[i][3]);
-#pragma unroll
-      for (int it = 0; it < kChanIters; ++it) {
-        const int c = t + it * kGroupThreads;
-        if (c >= 3 * D) continue;
-        __nv_bfloat16* row = p.conv_state + ((int64_t)m.slot * P3 + (c / D) * P + h * D + c % D) * (W - 1);
-#pragma unroll
-        for (int j = 0; j < W - 1; ++j) row[j] = __float2bfloat16_rn(hist[it][j]);
-      }
+        store_state4(state + i * D, make_float4(S[i][0], S[i][1], S[i][2], S[i][3]), pol);
+      decode_store_conv<D, W>(p, hist, t, h, m.slot);
     }
   }
 }
@@ -526,17 +582,15 @@ __global__ void __launch_bounds__(kDecodeBlock, 1) decode_kernel(Params p) {
   extern __shared__ __align__(128) unsigned char ring[];
   __shared__ __align__(16) TokenScratch<D> scratch[kDecodeGroups][2];
   __shared__ StageMeta meta[NS];
-  __shared__ __align__(8) uint64_t full[NS], empty[NS];
+  __shared__ __align__(8) uint64_t full[Stage::FULL_BARS], empty[NS];
 
   const int H = p.num_heads, P = H * D, P3 = 3 * P;
   const int total = p.num_seqs * H;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   if (threadIdx.x == 0) {
-    for (int s = 0; s < NS; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], Tile::kWarps);  // the warps of the group that consumes the item
-    }
+    for (int s = 0; s < Stage::FULL_BARS; ++s) mbar_init(&full[s], 1);
+    for (int s = 0; s < NS; ++s) mbar_init(&empty[s], Tile::kWarps);  // the consuming group's warps
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -554,6 +608,9 @@ __global__ void __launch_bounds__(kDecodeBlock, 1) decode_kernel(Params p) {
       return *src;
     };
     const CtaItems items(total);
+#ifndef K3_KDA_DEC_NO_EVICT_LAST
+    const uint64_t load_pol = l2_policy_evict_last();
+#endif
     int mine = fetch(items.begin);
     for (int k = 0; k < items.count; ++k) {
       const int item = items.begin + k, h = item / p.num_seqs;
@@ -568,26 +625,38 @@ __global__ void __launch_bounds__(kDecodeBlock, 1) decode_kernel(Params p) {
       const float beta = eos > bos ? __bfloat162float(p.beta[(int64_t)bos * H + h]) : 0.f;
       mbar_wait(&empty[s], ((k / NS) & 1) ^ 1);
       unsigned char* st = ring + s * Stage::BYTES;
+      uint64_t* bar = &full[k % Stage::FULL_BARS];
       if (eos > bos) {
-        mbar_expect_tx(&full[s], 4 * D * 2 + (continues ? D * D * 4 + 3 * D * (W - 1) * 2 : 0));
+        mbar_expect_tx(bar, 4 * D * 2 + (continues ? D * D * 4 + 3 * D * (W - 1) * 2 : 0));
         if (continues) {
           const float* src = p.recurrent_state + ((int64_t)slot * H + h) * D * D;
           for (int off = 0; off < D * D; off += kStateChunk)  // 16 KiB per copy
+#ifndef K3_KDA_DEC_NO_EVICT_LAST
+            bulk_load_hint(st + Stage::STATE + off * 4, src + off,
+                           (D * D < kStateChunk ? D * D : kStateChunk) * 4, bar, load_pol);
+#else
             bulk_load(st + Stage::STATE + off * 4, src + off,
-                      (D * D < kStateChunk ? D * D : kStateChunk) * 4, &full[s]);
+                      (D * D < kStateChunk ? D * D : kStateChunk) * 4, bar);
+#endif
         }
         const __nv_bfloat16* row = p.qkv + (int64_t)bos * P3 + h * D;
         for (int part = 0; part < 3; ++part) {
-          bulk_load(st + Stage::QKV + part * D * 2, row + part * P, D * 2, &full[s]);
+          bulk_load(st + Stage::QKV + part * D * 2, row + part * P, D * 2, bar);
           if (continues)
+#ifndef K3_KDA_DEC_NO_EVICT_LAST
+            bulk_load_hint(st + Stage::CONV + part * D * (W - 1) * 2,
+                           p.conv_state + ((int64_t)slot * P3 + part * P + h * D) * (W - 1),
+                           D * (W - 1) * 2, bar, load_pol);
+#else
             bulk_load(st + Stage::CONV + part * D * (W - 1) * 2,
                       p.conv_state + ((int64_t)slot * P3 + part * P + h * D) * (W - 1),
-                      D * (W - 1) * 2, &full[s]);
+                      D * (W - 1) * 2, bar);
+#endif
         }
-        bulk_load(st + Stage::GATE, p.gate + (int64_t)bos * P + h * D, D * 2, &full[s]);
+        bulk_load(st + Stage::GATE, p.gate + (int64_t)bos * P + h * D, D * 2, bar);
       }
       meta[s] = StageMeta{bos, eos, slot, continues, beta};
-      mbar_arrive(&full[s]);
+      mbar_arrive(bar);
     }
   } else {
     setmaxnreg_inc<kConsumerRegs>();

@@ -11,6 +11,10 @@
 // computes P·V for its half of the 512 latent output columns: its own 32 tokens with P
 // from registers (m64n256k16, A in registers), the other warpgroup's from shared memory.
 // Two CTA barriers per tile: tile landed, and P published (its OR tells whether a row rose).
+// Over the fp8 latent cache (FP8) the cp.async ring holds one tile of raw fp8 rows (656 bytes
+// each for K3), which all threads dequantise into one bf16 tile (the swizzled layout above)
+// after it landed; the next tile's raw rows then stream in during this tile's MMAs. One more
+// CTA barrier per tile; 200 KB of shared memory instead of 226.
 #pragma once
 
 #include <cmath>
@@ -37,6 +41,11 @@ struct WgmmaAttentionConfig {
   static constexpr size_t P_BYTES = size_t(BLOCK_ELEMS) * 2;   // one swizzled 64x64 bf16 tile
   // Q + two KV stages + P + row maxima / sums of both warpgroups + alignment.
   static constexpr size_t SMEM_BYTES = 3 * TILE_BYTES + P_BYTES + 2 * 2 * M * 4 + 1024;
+  // FP8: Q + one bf16 KV tile + P + maxima / sums, then the raw tile (fp8_smem_bytes).
+  static constexpr size_t FP8_RAW_OFFSET = 2 * TILE_BYTES + P_BYTES + 2 * 2 * M * 4;
+  static constexpr size_t fp8_smem_bytes(int row_bytes) {
+    return FP8_RAW_OFFSET + size_t(NT) * row_bytes + 1024;
+  }
   static_assert(NT == 8 * (THREADS / 32), "the tile loader gives each warp 8 rows");
 };
 
@@ -45,6 +54,7 @@ __device__ __forceinline__ int sw128_offset(int row, int chunk) {
   return (chunk >> 3) * WgmmaAttentionConfig::BLOCK_ELEMS + row * 64 + (((chunk & 7) ^ (row & 7)) << 3);
 }
 
+template <bool FP8 = false>
 __global__ void __launch_bounds__(256, 1) latent_attention_wgmma_kernel(const LatentAttentionParams p) {
   using C = WgmmaAttentionConfig;
   constexpr int R = C::R, NT = C::NT;
@@ -53,9 +63,10 @@ __global__ void __launch_bounds__(256, 1) latent_attention_wgmma_kernel(const La
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   bf16* s_q = reinterpret_cast<bf16*>(smem);
   bf16* s_kv = s_q + C::TILE_ELEMS;
-  bf16* s_p = s_kv + 2 * C::TILE_ELEMS;
+  bf16* s_p = s_kv + (FP8 ? 1 : 2) * C::TILE_ELEMS;
   float* s_max = reinterpret_cast<float*>(s_p + C::BLOCK_ELEMS);  // [warpgroup][head row]
   float* s_sum = s_max + 2 * C::M;
+  uint8_t* s_raw = smem + C::FP8_RAW_OFFSET;  // FP8 only
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wg = warp >> 2, wq = warp & 3;
@@ -94,7 +105,29 @@ __global__ void __launch_bounds__(256, 1) latent_attention_wgmma_kernel(const La
     }
   };
 
-  if (n_tiles > 0) load_tile(0, 0);
+  // FP8: the raw rows of a tile, row-major at row_bytes (a multiple of 16), loaded the same
+  // way (warp w: rows 8w..8w+7); rows past the key range are zero (codes 0, scale 0: finite).
+  const int raw_chunks = p.row_bytes / 16;
+  auto load_raw = [&](int tile) {
+    const int pos = kv_begin + tile * NT + 8 * warp + (lane & 7);
+    int slot = -1;
+    if (lane < 8 && pos < kv_end) slot = __ldg(block_row + pos / p.block_size) * p.block_size + pos % p.block_size;
+    uint8_t* dst = s_raw + 8 * warp * p.row_bytes;
+    for (int i = 0; i < (8 * raw_chunks + 31) / 32; ++i) {  // uniform trip count: the shuffle
+      const int chunk = 32 * i + lane, row = min(chunk / raw_chunks, 7);
+      const int row_slot = __shfl_sync(0xffffffffu, slot, row);
+      if (chunk < 8 * raw_chunks) {
+        const uint8_t* src = row_slot < 0 ? p.cache8
+                                          : p.cache8 + static_cast<int64_t>(row_slot) * p.row_bytes +
+                                                (chunk - row * raw_chunks) * 16;
+        cp_async16(dst + chunk * 16, src, row_slot < 0 ? 0 : 16);
+      }
+    }
+  };
+
+  if (n_tiles > 0) {
+    if constexpr (FP8) load_raw(0); else load_tile(0, 0);
+  }
   cp_async_commit();
 
   float o[128];
@@ -118,7 +151,19 @@ __global__ void __launch_bounds__(256, 1) latent_attention_wgmma_kernel(const La
     // All of tile `it` landed, and both warpgroups are done with tile it-1 (its stage is
     // refilled below) and with the P tile and row maxima of it-1.
     __syncthreads();
-    const int stage = it & 1;
+    if constexpr (FP8) {  // dequantise the raw tile into the bf16 tile, then fetch the next raw one
+      const int groups = R / p.scale_group, shift = __ffs(p.scale_group) - 1;
+      for (int id = tid; id < NT * C::CHUNKS; id += C::THREADS) {
+        const int row = id / C::CHUNKS, ch = id % C::CHUNKS;
+        *reinterpret_cast<uint4*>(s_kv + sw128_offset(row, ch)) =
+            fp8_row_chunk(s_raw + row * p.row_bytes, ch, R, shift, groups);
+      }
+      fence_proxy_async();  // st.shared writes, read by wgmma
+      __syncthreads();      // the tile is whole; the raw tile is free
+      if (it + 1 < n_tiles) load_raw(it + 1);
+      cp_async_commit();
+    }
+    const int stage = FP8 ? 0 : it & 1;
     const uint64_t stage_off = stage * (C::TILE_BYTES / 16);
     const uint64_t k_desc = k_desc0 + stage_off, v_desc = v_desc0 + stage_off;
 
@@ -131,8 +176,10 @@ __global__ void __launch_bounds__(256, 1) latent_attention_wgmma_kernel(const La
     }
     wgmma_commit();
     // The next tile streams in while the scores are computed.
-    if (it + 1 < n_tiles) load_tile(it + 1, stage ^ 1);
-    cp_async_commit();
+    if constexpr (!FP8) {
+      if (it + 1 < n_tiles) load_tile(it + 1, stage ^ 1);
+      cp_async_commit();
+    }
     wgmma_wait<0>();
 
     const int valid = kv_end - (kv_begin + it * NT);

@@ -62,6 +62,7 @@ __global__ void __launch_bounds__(256) prefill_offsets_kernel(const int* __restr
 
 struct ExpandParams {
   const bf16* cache;  // [num_slots, R+DR]
+  const bf16* flat;   // or null; else the pass's rows [pass_keys, R+DR] (the fp8 cache, dequantised)
   const int* block_tables;
   const int* key_offsets;
   const bf16* w_uk;  // [H·DN, R]
@@ -117,7 +118,9 @@ __global__ void __launch_bounds__(kExpandThreads, 2) expand_latents_kernel(const
     for (int i = 0; i < 2; ++i) {
       const int r = (tid >> 2) + 64 * i;
       a_row[i] = nullptr;
-      if (m0 + r < valid) {
+      if (m0 + r < valid && p.flat != nullptr) {
+        a_row[i] = p.flat + static_cast<int64_t>(m0 + r) * width;
+      } else if (m0 + r < valid) {
         const int key = p.pass_begin + m0 + r;
         int lo = 0, hi = p.num_seqs - 1;  // last sequence whose first key is <= key
         while (lo < hi) {
@@ -146,7 +149,7 @@ __global__ void __launch_bounds__(kExpandThreads, 2) expand_latents_kernel(const
       for (int i = 0; i < 2; ++i) {
         const int r = (tid >> 2) + 64 * i;
         cp_async16(sa + (stage * kExpandBM + r) * kExpandStride + (tid & 3) * 8,
-                   a_row[i] != nullptr ? a_row[i] + k0 : p.cache, a_row[i] != nullptr ? 16 : 0);
+                   a_row[i] != nullptr ? a_row[i] + k0 : w, a_row[i] != nullptr ? 16 : 0);
         cp_async16(sb + (stage * kExpandBN + r) * kExpandStride + (tid & 3) * 8,
                    b_row[i] != nullptr ? b_row[i] + k0 : w, b_row[i] != nullptr ? 16 : 0);
       }

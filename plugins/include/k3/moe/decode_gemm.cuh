@@ -2,21 +2,21 @@
 // read once and the kernels are streams over the touched experts' weights (W4A16 / W16A16).
 // Roles are swapped on mma.sync m16n8k16: a warp's 16 weight rows are the MMA's M side and
 // the tile's tokens its N side (kTiles n8 tiles: 8 rows per tile for T <= 8, where no expert
-// can get more rows, else 16). A lane then loads whole 16-byte (bf16) or 8-byte (MXFP4) runs
-// of its weight rows from global memory straight into A fragments (shared memory only for the
-// MXFP4 table). The k order inside a slab is permuted the same way for weights and activations
-// (a dot product does not depend on it): lane (r = lane/4, q = lane%4) holds elements
-// [slab·W + q·E, +E) of weight rows r and r+8 and of tokens r (and 8+r), and MMA j of the slab
-// takes the lane's elements 4j..4j+3 (A/B register pairs 2j, 2j+1).
+// can get more rows, else 16). A lane then loads whole 16-byte runs of its weight rows (bf16:
+// 8 elements; MXFP4: 32, or 16 in 8 bytes where K % 128 != 0) from global memory straight into
+// A fragments (shared memory only for the MXFP4 table). The k order inside a slab is permuted
+// the same way for weights and activations (a dot product does not depend on it): lane
+// (r = lane/4, q = lane%4) holds elements [slab·W + q·E, +E) of weight rows r and r+8 and of
+// tokens r (and 8+r), and MMA j of the slab takes the lane's elements 4j..4j+3 (A/B register
+// pairs 2j, 2j+1).
 //
-// Bytes in flight (bench/NOTES_moe.md, session 15): bf16 loads 4 slabs (64 bytes of each row,
-// 64 registers) per lane before their MMAs, 8 KiB per warp. MXFP4's slab is 8 bytes per row, so
-// it streams through two register stages of 4 slabs (2 matrices; 8 for one): one stage's loads
-// are in flight while the other is dequantised, 4-8 KiB per warp at the same 16 warps per SM.
-// Against one stage that measured 7-24% faster in gate_up (down: 10% at T = 1, equal at 8 and
-// 64), while cutting the instructions per weight by a third changed T <= 8 little. More CTAs
-// per SM measured slower (likely: their tables shrink the L1 that holds the activations and
-// scale bytes).
+// Bytes in flight (bench/NOTES_moe.md, sessions 15-16): bf16 loads 4 slabs (64 bytes of each
+// row, 64 registers) per lane before their MMAs, 8 KiB per warp. MXFP4 streams through two
+// register stages of 4 KiB per warp in the source, but ptxas issues each slab's loads about one
+// slab before its MMAs whatever the source order (SASS), so ~1 KiB per warp is in flight; an
+// L2 prefetch of the stages ahead (bytes in flight without registers) measured no faster, so
+// that is not what bounds these kernels either. More CTAs per SM measured slower (likely: their
+// tables shrink the L1 that holds the activations and scale bytes).
 #pragma once
 
 #include "grouped_gemm.cuh"
@@ -30,33 +30,47 @@ constexpr int kDecodeWarps = 4, kDecodeThreads = 32 * kDecodeWarps;
 constexpr int kDecodeFeatures = 16 * kDecodeWarps;  // output features (per matrix) per CTA
 // k3_moe_supported checks multiples of BN for latent and inter: whole CTAs and whole MXFP4 slabs.
 static_assert(kDecodeFeatures == BN && BN % 64 == 0, "decode grids and slabs rely on multiples of BN");
-// Slabs per block (bf16) or register stage (MXFP4, two matrices; twice as many for one), and
-// CTAs per SM the register allocation must allow: 4 (<= 128 registers, 16 warps) with one n
-// tile, 3 with two, whose activation registers would spill at 128.
-template <int kMats, bool kMxfp4>
-constexpr int decode_unroll() { return kMxfp4 ? 8 / kMats : 4; }
+
+// A slab: kElems elements of k per lane and weight row (4 lanes cover kWidth). bf16: 8 (16
+// bytes). MXFP4: 32 (16 bytes, one scale group) in the 8-row tiles where K % 128 == 0 (every
+// K3 size, decode_wide_applies), else 16 (8 bytes). The wide slab halves the load instructions
+// and the scale loads per weight byte (a warp's weight load covers 64 contiguous bytes of each
+// of its 8 rows instead of 32): 10-16% faster GEMVs at T <= 8, 4-6% slower with 16-row tiles.
+template <bool kMxfp4, int kElemsPerLane = kMxfp4 ? 16 : 8>
+struct DecodeSlab {
+  static constexpr bool kMx = kMxfp4;
+  static constexpr int kElems = kElemsPerLane;
+  static constexpr int kWidth = 4 * kElems;                             // k covered by a slab
+  static constexpr int kWords = kElems / 2;                             // bf16x2 words per lane and row
+  static constexpr int kRawWords = kMxfp4 ? kElems / 8 : kElems / 2;    // loaded words per lane and row
+  static constexpr int kRowBytes = kMxfp4 ? kWidth / 2 : 2 * kWidth;    // weight bytes per row and slab
+};
+constexpr int kDecodeWideElems = 32;
+__host__ __device__ constexpr bool decode_wide_applies(int K) { return K % (4 * kDecodeWideElems) == 0; }
+
+// Slabs per block (bf16) or register stage (MXFP4: 4 KiB of weights per warp, i.e. 8 narrow or
+// 4 wide slabs of one matrix, half as many of two), and CTAs per SM the register allocation
+// must allow: 4 (<= 128 registers, 16 warps) with one n tile, 3 with two, whose activation
+// registers would spill at 128.
+template <int kMats, class S>
+constexpr int decode_unroll() { return S::kMx ? 128 / (S::kElems * kMats) : 4; }
 constexpr int decode_min_blocks(int n_tiles) { return n_tiles == 1 ? 4 : 3; }
 
-// Elements per lane and row in one slab: bf16 8 (16 bytes), MXFP4 16 (8 bytes, one scale).
-template <bool kMxfp4>
-struct DecodeSlab {
-  static constexpr int kElems = kMxfp4 ? 16 : 8;
-  static constexpr int kWidth = 4 * kElems;                  // k covered by a slab
-  static constexpr int kWords = kElems / 2;                  // bf16x2 words per lane and row
-  static constexpr int kRawWords = kMxfp4 ? 2 : 4;           // loaded words per lane and row
-  static constexpr int kRowBytes = kMxfp4 ? kWidth / 2 : 2 * kWidth;  // weight bytes per row and slab
-};
-
 // Weights are read once: keep them out of L1. bf16 (16 bytes) volatile, so a block's loads stay
-// ahead of its MMAs in source order; MXFP4 (8 bytes) not, so the compiler may move them across
-// the other stage's work (the weights never change; their addresses come after pdl_wait).
+// ahead of its MMAs in source order; MXFP4 not, so the compiler may move them across the other
+// stage's work (the weights never change; their addresses come after pdl_wait).
 __device__ __forceinline__ void ld_weights(uint32_t (&v)[4], const uint8_t* p) {
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
                : "l"(p));
 }
-__device__ __forceinline__ void ld_weights(uint32_t (&v)[2], const uint8_t* p) {
+__device__ __forceinline__ void ld_weights_mx(uint32_t (&v)[2], const uint8_t* p) {
   asm("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];\n" : "=r"(v[0]), "=r"(v[1]) : "l"(p));
+}
+__device__ __forceinline__ void ld_weights_mx(uint32_t (&v)[4], const uint8_t* p) {
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+      : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+      : "l"(p));
 }
 
 // ptx.cuh's mma_bf16 without `volatile`, for MXFP4: registers only, so the compiler may
@@ -76,52 +90,49 @@ struct DecodeOperands {
   Mxfp4LaneTable table;            // MXFP4: the CTA's dequantisation table
 };
 
-// The MMAs of one slab: four words (two MMAs) at a time, MXFP4 dequantising one packed word
-// per row for them through the CTA's table (mxfp4.cuh: measured 10-20% faster here than the
-// bit-move form, which the prefill GEMMs keep since their MMAs, not dequantisation, bound them).
-template <int kMats, int kTiles, bool kMxfp4>
-__device__ __forceinline__ void decode_slab(float (&acc)[kMats][kTiles][4],
-                                            const uint32_t (&raw)[kMats][2][DecodeSlab<kMxfp4>::kRawWords],
-                                            const uint32_t (&scale)[kMats][2],
-                                            const uint32_t (&x)[kTiles][DecodeSlab<kMxfp4>::kWords],
-                                            const Mxfp4LaneTable& table) {
-  using S = DecodeSlab<kMxfp4>;
+// Two MMAs (k16 each) per matrix and n tile: weight words w[mat][h][0..3] (rows r, r+8) against
+// activation words x[t][4g .. 4g+3].
+template <int kMats, int kTiles, bool kMxfp4, int kXWords>
+__device__ __forceinline__ void decode_mma_group(float (&acc)[kMats][kTiles][4], const uint32_t (&w)[kMats][2][4],
+                                                 const uint32_t (&x)[kTiles][kXWords], int g) {
+#pragma unroll
+  for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+    for (int mat = 0; mat < kMats; ++mat) {
+      const uint32_t a[4] = {w[mat][0][2 * jj], w[mat][1][2 * jj], w[mat][0][2 * jj + 1], w[mat][1][2 * jj + 1]};
+      const int j = 2 * g + jj;
+#pragma unroll
+      for (int t = 0; t < kTiles; ++t) {
+        if constexpr (kMxfp4) {
+          decode_mma(acc[mat][t], a, x[t][2 * j], x[t][2 * j + 1]);
+        } else {
+          mma_bf16(acc[mat][t], a, x[t][2 * j], x[t][2 * j + 1]);
+        }
+      }
+    }
+}
+
+// The MMAs of one MXFP4 slab: each packed word (8 codes) of each row dequantised through the
+// CTA's table (mxfp4.cuh: measured 10-20% faster here than the bit-move form, which the prefill
+// GEMMs keep since their MMAs, not dequantisation, bound them), then its two MMAs.
+template <int kMats, int kTiles, class S>
+__device__ __forceinline__ void decode_slab_mxfp4(float (&acc)[kMats][kTiles][4],
+                                                  const uint32_t (&raw)[kMats][2][S::kRawWords],
+                                                  const uint32_t (&scale)[kMats][2],
+                                                  const uint32_t (&x)[kTiles][S::kWords], const Mxfp4LaneTable& table) {
   __nv_bfloat162 sc[kMats][2];
-  if constexpr (kMxfp4) {
 #pragma unroll
-    for (int mat = 0; mat < kMats; ++mat)
+  for (int mat = 0; mat < kMats; ++mat)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) sc[mat][h] = mxfp4_scale_lookup(scale[mat][h], table);
-  }
+    for (int h = 0; h < 2; ++h) sc[mat][h] = mxfp4_scale_lookup(scale[mat][h], table);
 #pragma unroll
-  for (int g = 0; g < S::kWords / 4; ++g) {
+  for (int g = 0; g < S::kRawWords; ++g) {
     uint32_t w[kMats][2][4];
 #pragma unroll
     for (int mat = 0; mat < kMats; ++mat)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if constexpr (kMxfp4) {
-          mxfp4_dequant8_table(raw[mat][h][g], table, sc[mat][h], w[mat][h]);
-        } else {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) w[mat][h][i] = raw[mat][h][i];
-        }
-      }
-#pragma unroll
-    for (int jj = 0; jj < 2; ++jj)
-#pragma unroll
-      for (int mat = 0; mat < kMats; ++mat) {
-        const uint32_t a[4] = {w[mat][0][2 * jj], w[mat][1][2 * jj], w[mat][0][2 * jj + 1], w[mat][1][2 * jj + 1]};
-        const int j = 2 * g + jj;
-#pragma unroll
-        for (int t = 0; t < kTiles; ++t) {
-          if constexpr (kMxfp4) {
-            decode_mma(acc[mat][t], a, x[t][2 * j], x[t][2 * j + 1]);
-          } else {
-            mma_bf16(acc[mat][t], a, x[t][2 * j], x[t][2 * j + 1]);
-          }
-        }
-      }
+      for (int h = 0; h < 2; ++h) mxfp4_dequant8_table(raw[mat][h][g], table, sc[mat][h], w[mat][h]);
+    decode_mma_group<kMats, kTiles, true>(acc, w, x, g);
   }
 }
 
@@ -131,10 +142,9 @@ template <int kMats, int kTiles>
 __device__ __forceinline__ void decode_mainloop_bf16(float (&acc)[kMats][kTiles][4],
                                                      const DecodeOperands<kMats, kTiles>& op, int nslab) {
   using S = DecodeSlab<false>;
-  constexpr int U = decode_unroll<kMats, false>();
+  constexpr int U = decode_unroll<kMats, S>();
   for (int s0 = 0; s0 < nslab; s0 += U) {
     uint32_t raw[U][kMats][2][S::kRawWords];
-    uint32_t scale[U][kMats][2];  // unused (no scales in bf16)
     uint32_t x[U][kTiles][S::kWords];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -162,27 +172,26 @@ __device__ __forceinline__ void decode_mainloop_bf16(float (&acc)[kMats][kTiles]
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (s0 + u >= nslab) continue;
-      decode_slab<kMats, kTiles, false>(acc, raw[u], scale[u], x[u], op.table);
+      decode_mma_group<kMats, kTiles, false>(acc, raw[u], x[u], 0);
     }
   }
 }
 
 // MXFP4: the weights of U slabs (one register stage), loaded from op's pointers, which then
 // move past them (pointer increments, so the loads address with immediate offsets).
-template <int U, int kMats>
+template <int U, int kMats, class S>
 struct DecodeStage {
-  uint32_t raw[U][kMats][2][DecodeSlab<true>::kRawWords];
+  uint32_t raw[U][kMats][2][S::kRawWords];
 };
 
-template <int U, int kMats, int kTiles>
-__device__ __forceinline__ void decode_stage_load(DecodeStage<U, kMats>& st, DecodeOperands<kMats, kTiles>& op) {
-  using S = DecodeSlab<true>;
+template <int U, int kMats, int kTiles, class S>
+__device__ __forceinline__ void decode_stage_load(DecodeStage<U, kMats, S>& st, DecodeOperands<kMats, kTiles>& op) {
 #pragma unroll
   for (int u = 0; u < U; ++u)
 #pragma unroll
     for (int mat = 0; mat < kMats; ++mat)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) ld_weights(st.raw[u][mat][h], op.w[mat][h] + u * S::kRowBytes);
+      for (int h = 0; h < 2; ++h) ld_weights_mx(st.raw[u][mat][h], op.w[mat][h] + u * S::kRowBytes);
 #pragma unroll
   for (int mat = 0; mat < kMats; ++mat)
 #pragma unroll
@@ -190,12 +199,12 @@ __device__ __forceinline__ void decode_stage_load(DecodeStage<U, kMats>& st, Dec
 }
 
 // The MMAs of a loaded stage, each slab's scale bytes and activations loaded with it (mostly
-// L1 hits: a 32-byte sector of scale bytes serves 16 slabs of a row, and the CTA's 4 warps read
-// the same activations). Lanes past the tile's end read its first row (attach_table_and_rows).
-template <int U, int kMats, int kTiles>
-__device__ __forceinline__ void decode_stage_compute(float (&acc)[kMats][kTiles][4], const DecodeStage<U, kMats>& st,
+// L1 hits: a 32-byte sector of scale bytes serves 8-16 slabs of a row, and the CTA's 4 warps
+// read the same activations). Lanes past the tile's end read its first row (attach_table_and_rows).
+template <int U, int kMats, int kTiles, class S>
+__device__ __forceinline__ void decode_stage_compute(float (&acc)[kMats][kTiles][4],
+                                                     const DecodeStage<U, kMats, S>& st,
                                                      DecodeOperands<kMats, kTiles>& op) {
-  using S = DecodeSlab<true>;
   constexpr int kScaleStep = S::kWidth / kMxGroup;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
@@ -212,7 +221,7 @@ __device__ __forceinline__ void decode_stage_compute(float (&acc)[kMats][kTiles]
         const uint4 v = __ldg(reinterpret_cast<const uint4*>(op.x[t] + u * S::kWidth) + i);
         x[t][4 * i] = v.x, x[t][4 * i + 1] = v.y, x[t][4 * i + 2] = v.z, x[t][4 * i + 3] = v.w;
       }
-    decode_slab<kMats, kTiles, true>(acc, st.raw[u], scale, x, op.table);
+    decode_slab_mxfp4<kMats, kTiles, S>(acc, st.raw[u], scale, x, op.table);
   }
 #pragma unroll
   for (int mat = 0; mat < kMats; ++mat)
@@ -224,9 +233,8 @@ __device__ __forceinline__ void decode_stage_compute(float (&acc)[kMats][kTiles]
 
 // MXFP4 without whole stages (small K in the tests): U slabs at op's pointers, all their loads,
 // then their MMAs; then op moves past them.
-template <int U, int kMats, int kTiles>
+template <int U, int kMats, int kTiles, class S>
 __device__ __forceinline__ void decode_block(float (&acc)[kMats][kTiles][4], DecodeOperands<kMats, kTiles>& op) {
-  using S = DecodeSlab<true>;
   constexpr int kScaleStep = S::kWidth / kMxGroup;
   uint32_t raw[U][kMats][2][S::kRawWords];
   uint32_t scale[U][kMats][2];
@@ -237,7 +245,7 @@ __device__ __forceinline__ void decode_block(float (&acc)[kMats][kTiles][4], Dec
     for (int mat = 0; mat < kMats; ++mat)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        ld_weights(raw[u][mat][h], op.w[mat][h] + u * S::kRowBytes);
+        ld_weights_mx(raw[u][mat][h], op.w[mat][h] + u * S::kRowBytes);
         scale[u][mat][h] = __ldg(op.scale[mat][h] + u * kScaleStep);
       }
 #pragma unroll
@@ -261,23 +269,14 @@ __device__ __forceinline__ void decode_block(float (&acc)[kMats][kTiles][4], Dec
 #pragma unroll
   for (int t = 0; t < kTiles; ++t) op.x[t] += U * S::kWidth;
 #pragma unroll
-  for (int u = 0; u < U; ++u) decode_slab<kMats, kTiles, true>(acc, raw[u], scale[u], x[u], op.table);
+  for (int u = 0; u < U; ++u) decode_slab_mxfp4<kMats, kTiles, S>(acc, raw[u], scale[u], x[u], op.table);
 }
 
-// MXFP4: two register stages a, b when whole stages cover K (all K3 sizes): b's loads are
-// issued before a's MMAs and the next a's before b's. Otherwise whole blocks, then single slabs.
-template <int kMats, int kTiles>
-__device__ __forceinline__ void decode_mainloop_mxfp4(float (&acc)[kMats][kTiles][4], DecodeOperands<kMats, kTiles> op,
-                                                      int nslab) {
-  constexpr int U = decode_unroll<kMats, true>();
-  if (nslab % U != 0) {
-    int s = 0;
-    for (; s + U <= nslab; s += U) decode_block<U, kMats, kTiles>(acc, op);
-    for (; s < nslab; ++s) decode_block<1, kMats, kTiles>(acc, op);
-    return;
-  }
-  const int nstage = nslab / U;
-  DecodeStage<U, kMats> a, b;
+// The two register stages over nstage whole stages.
+template <int U, int kMats, int kTiles, class S>
+__device__ __forceinline__ void decode_stages(float (&acc)[kMats][kTiles][4], DecodeOperands<kMats, kTiles>& op,
+                                              int nstage) {
+  DecodeStage<U, kMats, S> a, b;
   decode_stage_load(a, op);  // stage 0
   int i = 1;                 // a holds stage i - 1
   for (; i + 1 < nstage; i += 2) {
@@ -295,22 +294,36 @@ __device__ __forceinline__ void decode_mainloop_mxfp4(float (&acc)[kMats][kTiles
   }
 }
 
+// MXFP4: two register stages a, b when whole stages cover K (all K3 sizes): b's loads are
+// issued before a's MMAs and the next a's before b's. Otherwise whole blocks, then single slabs.
+template <int kMats, int kTiles, class S>
+__device__ __forceinline__ void decode_mainloop_mxfp4(float (&acc)[kMats][kTiles][4], DecodeOperands<kMats, kTiles> op,
+                                                      int nslab) {
+  constexpr int U = decode_unroll<kMats, S>();
+  if (nslab % U != 0) {
+    int s = 0;
+    for (; s + U <= nslab; s += U) decode_block<U, kMats, kTiles, S>(acc, op);
+    for (; s < nslab; ++s) decode_block<1, kMats, kTiles, S>(acc, op);
+    return;
+  }
+  decode_stages<U, kMats, kTiles, S>(acc, op, nslab / U);
+}
+
 // acc[mat][n tile][c] += W_mat[16 rows] · X[16 tokens]ᵀ over nslab slabs.
-template <int kMats, bool kMxfp4, int kTiles>
+template <int kMats, int kTiles, class S>
 __device__ __forceinline__ void decode_mainloop(float (&acc)[kMats][kTiles][4],
                                                 const DecodeOperands<kMats, kTiles>& op, int nslab) {
-  if constexpr (kMxfp4) {
-    decode_mainloop_mxfp4(acc, op, nslab);
+  if constexpr (S::kMx) {
+    decode_mainloop_mxfp4<kMats, kTiles, S>(acc, op, nslab);
   } else {
     decode_mainloop_bf16(acc, op, nslab);
   }
 }
 
 // The lane's operands for weight rows first_row + {r, r+8} (+ mat·mat_stride_rows) of K inputs.
-template <int kMats, bool kMxfp4, int kTiles>
+template <int kMats, int kTiles, class S>
 __device__ __forceinline__ DecodeOperands<kMats, kTiles> decode_operands(const ExpertWeights& ew, int64_t first_row,
                                                                          int64_t mat_stride_rows, int K) {
-  using S = DecodeSlab<kMxfp4>;
   const int lane = threadIdx.x % 32, r = lane / 4, q = lane % 4;
   DecodeOperands<kMats, kTiles> op{};
 #pragma unroll
@@ -318,7 +331,7 @@ __device__ __forceinline__ DecodeOperands<kMats, kTiles> decode_operands(const E
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t row = first_row + mat * mat_stride_rows + r + 8 * h;
-      if constexpr (kMxfp4) {
+      if constexpr (S::kMx) {
         op.w[mat][h] = ew.packed + row * (K / 2) + q * (S::kElems / 2);
         op.scale[mat][h] = ew.scale + row * (K / kMxGroup) + q * S::kElems / kMxGroup;
       } else {
@@ -353,18 +366,19 @@ __device__ __forceinline__ void decode_prologue(DecodeShared<kMxfp4>& sm) {
 // row_of(sorted row) for the tile's rows r (and 8+r). Past the tile's end: bf16 nullptr (zeros);
 // MXFP4 the tile's first row, since MMA output column n depends on activation column n alone and
 // the epilogue drops those columns, so its loads need no predicate or zero fill.
-template <bool kMxfp4, int kMats, int kTiles, typename RowOf>
-__device__ __forceinline__ void attach_table_and_rows(DecodeOperands<kMats, kTiles>& op, DecodeShared<kMxfp4>& sm,
+template <class S, int kMats, int kTiles, typename RowOf>
+__device__ __forceinline__ void attach_table_and_rows(DecodeOperands<kMats, kTiles>& op, DecodeShared<S::kMx>& sm,
                                                       const TileInfo& t, RowOf row_of) {
+  constexpr bool kMxfp4 = S::kMx;
   const int lane = threadIdx.x % 32;
   if constexpr (kMxfp4) op.table = {reinterpret_cast<const char*>(sm.table.pairs) + 4 * lane, sm.table.scales};
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) {
     const int n = 8 * i + lane / 4;
     if constexpr (kMxfp4) {
-      op.x[i] = row_of(t.row0 + (n < t.rows ? n : 0)) + (lane % 4) * DecodeSlab<kMxfp4>::kElems;
+      op.x[i] = row_of(t.row0 + (n < t.rows ? n : 0)) + (lane % 4) * S::kElems;
     } else {
-      op.x[i] = n < t.rows ? row_of(t.row0 + n) + (lane % 4) * DecodeSlab<kMxfp4>::kElems : nullptr;
+      op.x[i] = n < t.rows ? row_of(t.row0 + n) + (lane % 4) * S::kElems : nullptr;
     }
   }
 }
@@ -379,20 +393,22 @@ __device__ __forceinline__ FragmentPos fragment_pos(int t, int c) {
 }
 
 // grid (max tiles of 8·kTiles rows, I / kDecodeFeatures): h[row] = glu(z[token(row)] · w1ᵀ, · w3ᵀ).
-template <bool kMxfp4, int kTiles>
+// kElems: the slab (DecodeSlab); MXFP4's wide one needs decode_wide_applies(L).
+template <bool kMxfp4, int kTiles, int kElems>
 __global__ void __launch_bounds__(kDecodeThreads, decode_min_blocks(kTiles)) gate_up_decode_kernel(const __nv_bfloat16* __restrict__ z,
                                                                         ExpertWeights w13,
                                                                         __nv_bfloat16* __restrict__ h, Schedule s,
                                                                         int L, int I, GluParams act) {
+  using S = DecodeSlab<kMxfp4, kElems>;
   __shared__ DecodeShared<kMxfp4> sm;
   decode_prologue(sm);  // the schedule and z come from the kernels before
   TileInfo t;
   if (!tile_info(s, 8 * kTiles, t)) return;
   const int f0 = blockIdx.y * kDecodeFeatures + threadIdx.x / 32 * 16;
-  auto op = decode_operands<2, kMxfp4, kTiles>(w13, 2 * (int64_t)t.expert * I + f0, I, L);
-  attach_table_and_rows<kMxfp4>(op, sm, t, [&](int row) { return z + (int64_t)s.sorted_token[row] * L; });
+  auto op = decode_operands<2, kTiles, S>(w13, 2 * (int64_t)t.expert * I + f0, I, L);
+  attach_table_and_rows<S>(op, sm, t, [&](int row) { return z + (int64_t)s.sorted_token[row] * L; });
   float acc[2][kTiles][4] = {};
-  decode_mainloop<2, kMxfp4, kTiles>(acc, op, L / DecodeSlab<kMxfp4>::kWidth);
+  decode_mainloop<2, kTiles, S>(acc, op, L / S::kWidth);
 #pragma unroll
   for (int i = 0; i < kTiles; ++i)
 #pragma unroll
@@ -405,19 +421,21 @@ __global__ void __launch_bounds__(kDecodeThreads, decode_min_blocks(kTiles)) gat
 
 // grid (max tiles of 8·kTiles rows, L / kDecodeFeatures): part[row] = weight(row) · h[row] · w2ᵀ in
 // fp32, one partial row per (token, slot) assignment; combine_kernel sums them in slot order.
-template <bool kMxfp4, int kTiles>
+// kElems: as gate_up_decode_kernel's, with decode_wide_applies(I).
+template <bool kMxfp4, int kTiles, int kElems>
 __global__ void __launch_bounds__(kDecodeThreads, decode_min_blocks(kTiles)) down_decode_kernel(const __nv_bfloat16* __restrict__ h,
                                                                      ExpertWeights w2, float* __restrict__ part,
                                                                      Schedule s, int L, int I) {
+  using S = DecodeSlab<kMxfp4, kElems>;
   __shared__ DecodeShared<kMxfp4> sm;
   decode_prologue(sm);  // the schedule and h come from the kernels before
   TileInfo t;
   if (!tile_info(s, 8 * kTiles, t)) return;
   const int f0 = blockIdx.y * kDecodeFeatures + threadIdx.x / 32 * 16;
-  auto op = decode_operands<1, kMxfp4, kTiles>(w2, (int64_t)t.expert * L + f0, 0, I);
-  attach_table_and_rows<kMxfp4>(op, sm, t, [&](int row) { return h + (int64_t)row * I; });
+  auto op = decode_operands<1, kTiles, S>(w2, (int64_t)t.expert * L + f0, 0, I);
+  attach_table_and_rows<S>(op, sm, t, [&](int row) { return h + (int64_t)row * I; });
   float acc[1][kTiles][4] = {};
-  decode_mainloop<1, kMxfp4, kTiles>(acc, op, I / DecodeSlab<kMxfp4>::kWidth);
+  decode_mainloop<1, kTiles, S>(acc, op, I / S::kWidth);
 #pragma unroll
   for (int i = 0; i < kTiles; ++i)
 #pragma unroll

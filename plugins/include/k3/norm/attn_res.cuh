@@ -18,6 +18,12 @@ __device__ __forceinline__ void load_source(const K3AttnResMixParams& p, int s, 
   if (s == p.num_sources - 1 && p.residual != nullptr) {
     float r[VEC];
     load_bf16<VEC>(static_cast<const __nv_bfloat16*>(p.residual) + off + i, r);
+    if (p.residual2 != nullptr) {
+      float r2[VEC];
+      load_bf16<VEC>(static_cast<const __nv_bfloat16*>(p.residual2) + off + i, r2);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) r[k] = round_bf16(r[k] + r2[k]);  // a = bf16(routed + shared), as torch adds
+    }
 #pragma unroll
     for (int k = 0; k < VEC; ++k) v[k] = round_bf16(v[k] + r[k]);  // the bf16 partial sum P + a
   }
