@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from fractions import Fraction
 from pathlib import Path
@@ -204,6 +205,21 @@ def _context_slots(step, block_size: int = 16) -> torch.Tensor:
 def _run(op, step, q, latent, w_uk, w_uv, cache, attrs, *extra):
     return op(q, latent, w_uk, w_uv, step.cu_seqlens, step.context_lens, step.block_tables, step.slot_mapping,
               cache, *attrs, *extra)
+
+
+@pytest.mark.parametrize("scale_group,why", [
+    (0, "a shape divides by an attribute that is 0 (scale_group)"),
+    (8, "scale_group 8: expected a multiple of 16 dividing kv_lora_rank 64"),
+    (48, "latent_cache: shape [4, 16, 128], expected [num_blocks, block_size, R+4*R/Q+2*Dr]")])
+def test_a_scale_group_outside_the_contract_is_refused_by_name(scale_group, why):
+    """The contract says Q is a multiple of 16 dividing R (what the kernels and plugins read):
+    a 0 is named rather than divided by, a Q the rows fit but the kernels cannot read is refused
+    instead of writing rows no engine could serve, and one that does not divide R fits no row."""
+    step, q, latent, context, w_uk, w_uv, attrs = _problem(TINY_DIMS, torch.float32)
+    rows = torch.zeros(4, 16, 64 + 4 * 8 + 2 * TINY_DIMS["rope"], dtype=torch.uint8)  # the Q=8 row width
+    for op in (PREFILL_FP8, DECODE_FP8):
+        with pytest.raises(ValueError, match=r"k3::mla_(prefill|decode)_fp8: .*" + re.escape(why)):
+            _run(op, step, q, latent, w_uk, w_uv, rows, attrs, scale_group)
 
 
 @pytest.mark.parametrize("dims", [K3_DIMS, TINY_DIMS], ids=["k3", "tiny"])

@@ -117,7 +117,7 @@ def engine_dir_settings(model_dir: str, options: dict) -> dict:
     the user gave, the rest None, so that the engine's own limits and dtype apply; given ones
     must fit it. ``--tp/--ep`` (the engine fixes its mapping) and ``--batch-invariant`` (the
     segments do not run the torch overrides it installs) are refused. ``--prefix-cache`` is
-    no engine limit: on (given or by default) it is passed, off it is left out (the engine's
+    no engine limit: on when asked for (not by default: see below) it is passed, off it is left out (the engine's
     own default is off)."""
     ctx = click.get_current_context()
     explicit = {k: (v if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT else None)
@@ -128,7 +128,11 @@ def engine_dir_settings(model_dir: str, options: dict) -> dict:
         raise click.ClickException(f"--batch-invariant: not available for engine dirs ({model_dir}); "
                                    "run the checkpoint it was built from")
     if "prefix_cache" in options:
-        explicit["prefix_cache"] = True if options["prefix_cache"] else None
+        # an engine dir's plugins take no snapshot points, so with the cache on every prefill would end
+        # at each snapshot position: there it is on only when asked for (the flag or a value flag)
+        asked = explicit["prefix_cache"] is not None or any(explicit.get(k) is not None
+                                                            for k in PREFIX_CACHE_VALUE_FLAGS)
+        explicit["prefix_cache"] = True if asked and options["prefix_cache"] else None
     return explicit
 
 

@@ -197,6 +197,14 @@ class OpContract:
         return {}
 
     def _check(self, args: tuple) -> dict[str, int]:
+        try:
+            return self._check_dims(args)
+        except ZeroDivisionError:  # a dim such as R/Q with an attribute Q of 0
+            zeros = [a.name for a, v in zip(self.attrs, args[len(self.inputs):]) if v == 0]
+            raise ValueError(f"{self.qualified_name}: a shape divides by an attribute that is 0 "
+                             f"({', '.join(zeros)})") from None
+
+    def _check_dims(self, args: tuple) -> dict[str, int]:
         n_in = len(self.inputs)
         plan, source = self._binding_plan
         attrs = {a.name: v for a, v in zip(self.attrs, args[n_in:])}

@@ -65,6 +65,9 @@ def _paged_attention(contract, attention: AttentionFn, q, latent, w_uk, w_uv, cu
     dims = _validate(contract, q, latent, w_uk, w_uv, cu_seqlens, context_lens, block_tables, slot_mapping,
                      latent_cache, num_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, v_head_dim,
                      softmax_scale, *scale_group)
+    if scale_group and not (scale_group[0] % 16 == 0 and kv_lora_rank % scale_group[0] == 0):
+        raise ValueError(f"{contract.qualified_name}: scale_group {scale_group[0]}: expected a multiple of 16 "
+                         f"dividing kv_lora_rank {kv_lora_rank} (the contract's rule, which the kernels need)")
     if scale_group:
         insert_latents(latent_cache, fp8_cache.quantize(latent, kv_lora_rank, *scale_group), slot_mapping)
     else:
