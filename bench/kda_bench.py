@@ -2,7 +2,7 @@
 
 Run on the GPU machine, in one process, so that every number shares the card's state:
     python3 bench/kda_bench.py --out DIR [--decode-only | --prefill-only] [--shapes T4096_H96 ...]
-                               [--decode-batches 1 64 256] [--no-fla]
+                               [--decode-batches 1 64 256] [--no-fla] [--deadline-s 100] [--rep-ms 300]
     python3 bench/kda_bench.py --plot RESULTS.json PNG      (re-plot a results file, no GPU)
 Peers, if importable: FlashKDA = ``_flashkda_C.abi3.so`` from the vllm==0.33.0 wheel
 (path in --flashkda), FLA = ``fla-core==0.6.0`` (chunk_kda / fused_recurrent_kda).
@@ -12,7 +12,9 @@ FlashKDA and FLA start from post-conv q, k, v (vLLM runs the conv as a separate 
 so their numbers leave that pass out. Times: triton.testing.do_bench medians (events,
 L2 flushed between runs). Every prefill shape is also checked: our chunked prefill against
 our token-recurrent decode kernel on the same inputs (relative Frobenius error of the output
-and the final state). Writes DIR/kda_h200.json and DIR/kda_h200.png.
+and the final state). Writes DIR/kda_h200.json (after every row, so a run cut short keeps what it
+measured) and DIR/kda_h200.png. FLA goes last, every row, while --deadline-s (seconds from the
+start) leaves time: its Triton autotuning takes tens of seconds, ours and FlashKDA's none.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -48,11 +51,15 @@ DECODE_BATCHES = [1, 64, 256]
 DECODE_HEADS = 96
 
 
+TIMING = {"rep_ms": 300}  # do_bench's measuring time per number (--rep-ms)
+
+
 def median_ms(fn) -> float:
     import triton.testing  # GPU machine only; --plot runs without it
     fn()
     torch.cuda.synchronize()
-    return float(triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
+    rep = TIMING["rep_ms"]
+    return float(triton.testing.do_bench(fn, warmup=min(50, rep), rep=rep, return_mode="median"))
 
 
 def source_hash() -> str:
@@ -262,10 +269,15 @@ def main() -> None:
                     help="only draw the plot of a results file")
     ap.add_argument("--decode-batches", type=int, nargs="+", default=DECODE_BATCHES,
                     help="decode batch sizes (96 heads, one token per sequence)")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="seconds from the start after which no FLA number is started (they go last)")
+    ap.add_argument("--rep-ms", type=int, default=TIMING["rep_ms"], help="do_bench measuring time per number")
     args = ap.parse_args()
     if args.plot:
         plot(json.loads(args.plot[0].read_text()), args.plot[1])
         return
+    start = time.monotonic()
+    TIMING["rep_ms"] = args.rep_ms
     args.out.mkdir(parents=True, exist_ok=True)
     errors: dict[str, str] = {}
     try:
@@ -279,16 +291,19 @@ def main() -> None:
         gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
         commit=commit_id(), source_sha256_16=source_hash(), torch=torch.__version__,
         kernels_lib=str(kernels.library_path()),
-        head_dim=D, conv_width=W, lower_bound=LB, copy_bandwidth_TBps=copy,
+        head_dim=D, conv_width=W, lower_bound=LB, copy_bandwidth_TBps=copy, rep_ms=args.rep_ms,
         note="ours includes the short conv + SiLU; FlashKDA and FLA start from post-conv q/k/v",
         prefill=[], decode=[], errors=errors,
     )
+
+    def save():
+        (args.out / "kda_h200.json").write_text(json.dumps(result, indent=2))
+
     shapes = [s for s in PREFILL_SHAPES if s[0] in args.shapes]
     for name, lengths, H in ([] if args.decode_only else shapes):
         x = inputs(lengths, H)
         ms = {"ours": timed(f"ours/{name}", lambda x: ours("k3_kda_prefill", x), x, errors),
-              "flashkda": timed(f"flashkda/{name}", flashkda, x, errors),
-              "fla": None if args.no_fla else timed(f"fla/{name}", fla_chunk, x, errors)}
+              "flashkda": timed(f"flashkda/{name}", flashkda, x, errors), "fla": None}
         try:
             breakdown = kernel_breakdown(x)
         except Exception as exc:
@@ -302,18 +317,18 @@ def main() -> None:
         row = dict(shape=name, tokens=x["T"], heads=H, seqs=x["B"], ms=ms, ours_kernels_ms=breakdown,
                    rel_err_vs_recurrent_kernel=check,
                    Mtok_per_s={k: (None if v is None else x["T"] / v / 1e3) for k, v in ms.items()},
-                   speedup_vs_flashkda=ratio(ms["ours"], ms["flashkda"]),
-                   speedup_vs_fla=ratio(ms["ours"], ms["fla"]))
+                   speedup_vs_flashkda=ratio(ms["ours"], ms["flashkda"]), speedup_vs_fla=None)
         result["prefill"].append(row)
         print(json.dumps(row), flush=True)
+        save()
         del x
         torch.cuda.empty_cache()
+    state_bytes = {}
     for B in ([] if args.prefill_only else args.decode_batches):
         x = inputs([1] * B, DECODE_HEADS)
-        state_bytes = 2 * B * DECODE_HEADS * D * D * 4  # fp32 state read + written
-        ms = {"ours": timed(f"ours/decode{B}", lambda x: ours("k3_kda_decode", x), x, errors),
-              "fla": None if args.no_fla else timed(f"fla/decode{B}", fla_recurrent, x, errors)}
-        tbs = {k: (None if v is None else state_bytes / v / 1e9) for k, v in ms.items()}
+        state_bytes[B] = 2 * B * DECODE_HEADS * D * D * 4  # fp32 state read + written
+        ms = {"ours": timed(f"ours/decode{B}", lambda x: ours("k3_kda_decode", x), x, errors), "fla": None}
+        tbs = {k: (None if v is None else state_bytes[B] / v / 1e9) for k, v in ms.items()}
         try:
             errs = decode_errors(inputs([1] * B, DECODE_HEADS))
         except Exception as exc:
@@ -321,13 +336,42 @@ def main() -> None:
             errors[f"check/decode{B}"] = f"{type(exc).__name__}: {exc}"
         row = dict(batch=B, heads=DECODE_HEADS, ms=ms, state_TBps=tbs, rel_err_vs_reference=errs,
                    fraction_of_copy={k: (None if v is None else v / copy) for k, v in tbs.items()},
-                   speedup_vs_fla=ratio(ms["ours"], ms["fla"]))
+                   speedup_vs_fla=None)
         result["decode"].append(row)
         print(json.dumps(row), flush=True)
+        save()
         del x
         torch.cuda.empty_cache()
 
-    (args.out / "kda_h200.json").write_text(json.dumps(result, indent=2))
+    # FLA last: a row it has no time for keeps ours and FlashKDA's numbers and says why in errors
+    def fla_time_left(label):
+        if args.deadline_s is None or time.monotonic() - start < args.deadline_s:
+            return True
+        errors[label] = f"skipped: past --deadline-s {args.deadline_s:g}"
+        return False
+    for row, (name, lengths, H) in zip(result["prefill"], shapes):
+        if args.no_fla or not fla_time_left(f"fla/{name}"):
+            continue
+        x = inputs(lengths, H)
+        row["ms"]["fla"] = timed(f"fla/{name}", fla_chunk, x, errors)
+        row["Mtok_per_s"]["fla"] = None if row["ms"]["fla"] is None else x["T"] / row["ms"]["fla"] / 1e3
+        row["speedup_vs_fla"] = ratio(row["ms"]["ours"], row["ms"]["fla"])
+        save()
+        del x
+        torch.cuda.empty_cache()
+    for row in result["decode"]:
+        B = row["batch"]
+        if args.no_fla or not fla_time_left(f"fla/decode{B}"):
+            continue
+        row["ms"]["fla"] = timed(f"fla/decode{B}", fla_recurrent, inputs([1] * B, DECODE_HEADS), errors)
+        fla = row["ms"]["fla"]
+        row["state_TBps"]["fla"] = None if fla is None else state_bytes[B] / fla / 1e9
+        row["fraction_of_copy"]["fla"] = None if fla is None else row["state_TBps"]["fla"] / copy
+        row["speedup_vs_fla"] = ratio(row["ms"]["ours"], fla)
+        save()
+        torch.cuda.empty_cache()
+    result["wall_s"] = time.monotonic() - start
+    save()
     print_table(result)
     try:
         plot(result, args.out / "kda_h200.png")

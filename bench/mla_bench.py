@@ -21,6 +21,10 @@ fraction of a device-to-device copy measured in the same run. Small caches rotat
 and 128 heads) over the bf16 cache (ours, FlashMLA) and the fp8 cache (ours; rows of 656
 bytes instead of 1152), GPU time (CUDA graphs), each against its bytes-read floor (the cache
 bytes over the copy bandwidth) -> DIR/mla_fp8_cache_h200.json.
+--issue21: every MLA row of issue 21 in one process, each with its peer measured beside it:
+decode attention at 96/128 heads (B >= 64) and B 1 / 32k / 128 heads against FlashMLA, 12-16 heads
+as a fraction of copy, prefill at T=16384 against SDPA, the fp8 cache against the bf16 one at
+8k and 32k -> DIR/mla_issue21_h200.json (commit, GPU, the library, each goal with its value).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import datetime
 import hashlib
 import json
 import math
+import os
 import statistics
 import subprocess
 from pathlib import Path
@@ -52,6 +57,10 @@ CHUNK_CONTEXT = 16384
 CHUNK_NEW = [128, 384, 1024]
 FP8_SHAPES = [(b, L, h) for L in (8192, 32768) for h in (12, 128) for b in (1, 8, 64)]
 FP8_GROUP = 128  # fp8_cache.scale_group_for(512)
+ISSUE21_DECODE = [(64, 8192, 96), (64, 8192, 128), (128, 2048, 128), (1, 32768, 128), (64, 8192, 12),
+                  (256, 8192, 16)]
+ISSUE21_PREFILL = [(16384, 96), (16384, 12)]  # (new tokens, heads)
+ISSUE21_FP8 = [(64, 8192, 12), (64, 32768, 12), (64, 8192, 128), (64, 32768, 128)]
 
 
 def time_ms(fn, reps=20, warmup=3, batch=8):
@@ -282,6 +291,78 @@ def fp8_main(args, flashmla):
               f"{row.get('fp8_vs_flashmla_speed', nan):.2f}  fp8 err {row['fp8_vs_bf16_rel_err']:.1e}", flush=True)
 
 
+def issue21_goals(result):
+    """Issue 21's MLA goals, each with the value measured in this run (None: not measured)."""
+    goals = []
+
+    def goal(name, value, target):
+        goals.append(dict(goal=name, value=value, target=target, met=None if value is None else value >= target))
+
+    for r in result["decode"]:
+        b, length, h = r["batch"], r["context"], r["heads"]
+        shape = f"B {b} x {length} x {h} heads"
+        if h <= 16:
+            goal(f"decode attention >= 95% of copy, {shape}", r.get("ours_attn_graph_copy_frac"), 0.95)
+        elif "flashmla_attn_graph_us" in r and "ours_attn_graph_us" in r:
+            target = 2.0 if b == 1 else 1.2
+            goal(f"decode attention >= {target}x FlashMLA, {shape}",
+                 r["flashmla_attn_graph_us"] / r["ours_attn_graph_us"], target)
+        else:
+            goal(f"decode attention vs FlashMLA, {shape}", None, 2.0 if b == 1 else 1.2)
+    for r in result["prefill"]:
+        goal(f"prefill >= 0.9x SDPA attention, T {r['tokens']} x {r['heads']} heads", r["ours_vs_sdpa_attn_speed"], 0.9)
+    for r in result["fp8"]:
+        goal(f"fp8 cache attention ~1.8x the bf16 cache's speed, B {r['batch']} x {r['context']} x {r['heads']} heads",
+             r["fp8_vs_bf16_speed"], 1.8)
+    return goals
+
+
+def issue21_main(args, flashmla):
+    copy_tbps = copy_bandwidth()
+    result = dict(commit=args.commit or commit_id(), source_hash=source_hash(), gpu=torch.cuda.get_device_name(),
+                  date=datetime.date.today().isoformat(), torch=torch.__version__, copy_tbps=copy_tbps,
+                  kernels_lib=os.environ.get("K3_KERNELS_LIB", "default"), flashmla=flashmla,
+                  fp8_scale_group=FP8_GROUP, decode=[], prefill=[], fp8=[], goals=[], errors=[])
+    print(f"copy {copy_tbps:.2f} TB/s", flush=True)
+    path = args.out / "mla_issue21_h200.json"
+
+    def add(section, case, args, text):
+        """One row; a row that raises is recorded under "errors" and the run goes on."""
+        try:
+            row = case(*args)
+        except Exception as exc:  # noqa: BLE001  (keep the other rows of the one device call)
+            result["errors"].append(dict(section=section, args=list(args[:3]), error=repr(exc)[:300]))
+            print(f"{section} {args[:3]}: ERROR {exc!r:.200}", flush=True)
+            row = None
+        torch.cuda.empty_cache()  # the next shape's caches are large
+        if row is not None:
+            result[section].append(row)
+            print(text(row), flush=True)
+        result["goals"] = issue21_goals(result)
+        path.write_text(json.dumps(result, indent=1))
+
+    nan = float("nan")
+    for shape in ISSUE21_DECODE:
+        add("decode", decode_case, (*shape, copy_tbps, flashmla, True), lambda r: (
+            f"decode B={r['batch']} L={r['context']} H={r['heads']}: ours {r.get('ours_attn_graph_us', nan):.1f} us"
+            f" ({r.get('ours_attn_graph_copy_frac', nan):.0%} of copy)  FlashMLA "
+            f"{r.get('flashmla_attn_graph_us', nan):.1f} us  err {r['ours_vs_eager_rel_err']:.1e}"))
+    for tokens, heads in ISSUE21_PREFILL:
+        add("prefill", prefill_case, (tokens, heads), lambda r: (
+            f"prefill T={r['tokens']} H={r['heads']} ({r['ours_path']}): ours {r['ours_whole_ms']:.2f} ms  SDPA "
+            f"{r['sdpa_attn_ms']:.2f} ms  ours/SDPA {r['ours_vs_sdpa_attn_speed']:.2f}"))
+    for shape in ISSUE21_FP8:
+        add("fp8", fp8_decode_case, (*shape, copy_tbps, flashmla), lambda r: (
+            f"fp8 B={r['batch']} L={r['context']} H={r['heads']}: bf16 {r['ours_bf16_attn_graph_us']:.1f} us  fp8 "
+            f"{r['ours_fp8_attn_graph_us']:.1f} us ({r['ours_fp8_floor_frac']:.0%} of its floor)  speed "
+            f"{r['fp8_vs_bf16_speed']:.2f}  FlashMLA {r.get('flashmla_bf16_attn_graph_us', nan):.1f} us"))
+    print("issue 21 goals:")
+    for g in result["goals"]:
+        value = "n/a" if g["value"] is None else f"{g['value']:.2f}"
+        verdict = "n/a " if g["met"] is None else "met " if g["met"] else "NOT "
+        print(f"  {verdict} {value:>5} (goal {g['target']})  {g['goal']}")
+
+
 def prefill_inputs(context, tokens, heads):
     """One sequence: `context` cached random latents, `tokens` new ones, contiguous blocks."""
     gen = torch.Generator(device="cuda").manual_seed(tokens + heads + context)
@@ -422,6 +503,7 @@ def main():
     parser.add_argument("--fp8-shapes", default=FP8_SHAPES,
                         type=lambda text: [tuple(int(x) for x in s.split("x")) for s in text.split(",")])
     parser.add_argument("--commit", default="", help="commit id to record (the device copy has no git)")
+    parser.add_argument("--issue21", action="store_true", help="every MLA row of issue 21 -> mla_issue21_h200.json")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     flashmla = args.flashmla.exists()
@@ -429,6 +511,9 @@ def main():
         torch.ops.load_library(str(args.flashmla))
     if args.fp8_cache:
         fp8_main(args, flashmla)
+        return
+    if args.issue21:
+        issue21_main(args, flashmla)
         return
     copy_tbps = copy_bandwidth()
     result = dict(commit=commit_id(), source_hash=source_hash(), gpu=torch.cuda.get_device_name(),

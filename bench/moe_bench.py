@@ -8,6 +8,8 @@
         one line per run to DIR/decode_runs.jsonl, so several kernel libraries run one after
         another in one device call land side by side)
     python3 bench/moe_bench.py --profile-once   (one eager bf16 prefill call, for ncu)
+    python3 bench/moe_bench.py --prefill-only --ep8-prefill --kinds mxfp4 --ours-only --out DIR
+        (adds the prefill as one EP8 rank sees it: router over 896 experts, 112 local, ~74 rows each on average)
 
 Prefill: 4096 tokens x top-16 over 112 local experts (E = El = 112: one EP rank's share after
 the all-to-all), latent 3584, moe_intermediate 3072, router input 7168. TFLOP/s count the two
@@ -20,7 +22,9 @@ Decode (T = 1, 8, 64, same experts): time of the whole op vs the time to read th
 experts' weights once at the copy bandwidth measured in this run (copy bandwidth = bytes read +
 written by a 4 GiB device-to-device copy / its time); bf16 and MXFP4 (W4A16) experts. Each case
 also lists its kernels' device times (torch.profiler, eager calls) and, for the two expert GEMVs,
-the touched bytes of their matrix (w13: 2/3 of an expert, w2: 1/3) over that time. The later
+the touched bytes of their matrix (w13: 2/3 of an expert, w2: 1/3) over that time. --ep-rank adds
+decode as one EP8 rank sees it (T = 1, 8, 32; router over 896 experts, these 112 one rank's
+shard): only the local experts that got a token count (1-3 at T = 1). The later
 kernels of the decode chain are programmatic dependents (pdl.cuh), so their profiled times
 include a few µs of waiting for the kernel before; the graph time is the op's.
 Times: CUDA events, median of a few repetitions after one warm-up (weights are far larger than
@@ -51,6 +55,7 @@ E = EL = 112
 TOP_K, L, I, D = 16, 3584, 3072, 7168
 PREFILL_T = 4096
 DECODE_T = (1, 8, 64)
+EP_E, EP_DECODE_T = 896, (1, 8, 32)  # --ep-rank: K3's router, these EL experts one EP8 rank's shard
 BETA, LINEAR_BETA = 2.0, 4.0
 ATTRS = (E, TOP_K, 1, 1, 0, 0, 1, 1.0, 1, BETA, LINEAR_BETA)
 
@@ -79,11 +84,11 @@ def expert_bytes(mxfp4: bool) -> int:
     return elems // 2 + elems // 32 if mxfp4 else 2 * elems
 
 
-def inputs(T: int, g: torch.Generator):
+def inputs(T: int, g: torch.Generator, num_experts: int = E):
     x = torch.randn(T, D, generator=g, device="cuda").bfloat16()
     z = torch.randn(T, L, generator=g, device="cuda").bfloat16()
-    router = torch.randn(E, D, generator=g, device="cuda") * D ** -0.5
-    bias = torch.randn(E, generator=g, device="cuda") * 0.1
+    router = torch.randn(num_experts, D, generator=g, device="cuda") * D ** -0.5
+    bias = torch.randn(num_experts, generator=g, device="cuda") * 0.1
     return x, z, router, bias
 
 
@@ -132,11 +137,11 @@ def kernel_ms(fn, calls: int = 3) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
-def run_op(mxfp4: bool, x, z, router, bias, experts):
+def run_op(mxfp4: bool, x, z, router, bias, experts, attrs=ATTRS):
     """The op as a CUDA graph replay, so decode times are the GPU's, not Python's launch
     overhead (eager if capture fails; recorded in the JSON)."""
     op = torch.ops.k3.situ_moe_mxfp4 if mxfp4 else torch.ops.k3.situ_moe
-    eager = lambda: op(x, z, router, bias, *experts, *ATTRS)  # noqa: E731
+    eager = lambda: op(x, z, router, bias, *experts, *attrs)  # noqa: E731
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -152,14 +157,27 @@ def run_op(mxfp4: bool, x, z, router, bias, experts):
         return eager, "eager"
 
 
-def prefill_case(mxfp4: bool, experts, g: torch.Generator, ours_only: bool) -> dict:
-    x, z, router, bias = inputs(PREFILL_T, g)
-    fn, mode = run_op(mxfp4, x, z, router, bias, experts)
+def prefill_case(mxfp4: bool, experts, g: torch.Generator, ours_only: bool, ep_rank: bool = False) -> dict:
+    """ep_rank: prefill as one EP8 rank sees it (the rank-slice shape): K3's router over EP_E
+    experts, these EL experts (0..EL-1) the rank's shard, so ~T·k/8 rows (~74 per expert on
+    average; this random router is skewed: 0-1014 rows per expert in the H200 run); TFLOP/s count
+    the local rows only (local_rows in the entry)."""
+    num_experts = EP_E if ep_rank else E
+    x, z, router, bias = inputs(PREFILL_T, g, num_experts)
+    attrs = (num_experts, *ATTRS[1:])
+    fn, mode = run_op(mxfp4, x, z, router, bias, experts, attrs)
     op = torch.ops.k3.situ_moe_mxfp4 if mxfp4 else torch.ops.k3.situ_moe
     entry = {"ours_ms": time_ms(fn, 3), "ours_timing": mode,
              "ours_router_ms": time_ms(lambda: moe_kernels.route(x, router, bias, TOP_K, 1, 1, 0, True, 1.0), 3),
-             "kernel_ms": kernel_ms(lambda: op(x, z, router, bias, *experts, *ATTRS))}
-    if not mxfp4 and not ours_only:
+             "kernel_ms": kernel_ms(lambda: op(x, z, router, bias, *experts, *attrs))}
+    rows = PREFILL_T * TOP_K
+    if ep_rank:
+        ids, _ = moe_kernels.route(x, router, bias, TOP_K, 1, 1, 0, True, 1.0)
+        counts = torch.bincount(ids.flatten().long(), minlength=num_experts)[:EL]
+        rows = int(counts.sum())
+        entry.update({"num_experts": num_experts, "local_rows": rows, "rows_per_expert_min_max":
+                      [int(counts.min()), int(counts.max())]})
+    if not mxfp4 and not ours_only and not ep_rank:
         # K3's whole router (896 experts, before the all-to-all) at the same T, for scale.
         router896 = torch.randn(8 * E, D, generator=g, device="cuda") * D ** -0.5
         bias896 = torch.randn(8 * E, generator=g, device="cuda") * 0.1
@@ -169,22 +187,39 @@ def prefill_case(mxfp4: bool, experts, g: torch.Generator, ours_only: bool) -> d
             entry.update(grouped_mm_baselines(x, z, router, bias, *experts))
         except Exception as exc:  # a missing / different torch._grouped_mm must not lose the rest
             entry["grouped_mm_error"] = "".join(traceback.format_exception_only(exc)).strip()
-    flops = 2 * PREFILL_T * TOP_K * (L * 2 * I + I * L)
+    flops = 2 * rows * (L * 2 * I + I * L)
     for key in [k for k in entry if k.endswith("_ms") and "router" not in k and k != "kernel_ms"]:
         entry[key.replace("_ms", "_tflops")] = flops / entry[key] / 1e9
     return entry
 
 
-def decode_case(mxfp4: bool, T: int, experts, g: torch.Generator, copy_gbps: float) -> dict:
-    x, z, router, bias = inputs(T, g)
+def time_l2_flushed_ms(fn, reps: int) -> float:
+    """``time_ms`` with a buffer four times the size of L2 overwritten before each timed call, so the
+    few experts a decode touches are read from HBM as in a real step, not from L2."""
+    l2_bytes = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)  # H200: 50 MB
+    flush = torch.empty(4 * l2_bytes, dtype=torch.uint8, device="cuda")
+    return time_ms(fn, reps, before=lambda: flush.fill_(1))
+
+
+def decode_case(mxfp4: bool, T: int, experts, g: torch.Generator, copy_gbps: float, ep_rank: bool = False) -> dict:
+    """ep_rank: K3's whole router (EP_E experts) with these EL experts as one EP8 rank's shard,
+    the one holding token 0's best expert (as a rank sees decode: 1-3 local experts per token
+    at T = 1); else all E = EL experts local."""
+    num_experts = EP_E if ep_rank else E
+    x, z, router, bias = inputs(T, g, num_experts)
     ids, _ = moe_kernels.route(x, router, bias, TOP_K, 1, 1, 0, True, 1.0)
-    touched = int(torch.unique(ids).numel())
-    fn, mode = run_op(mxfp4, x, z, router, bias, experts)
-    ms = time_ms(fn, 20)
+    offset = int(ids[0, 0]) // EL * EL if ep_rank else 0
+    attrs = (num_experts, *ATTRS[1:4], offset, *ATTRS[5:])
+    local = ids.flatten() - offset
+    touched = int(torch.unique(local[(local >= 0) & (local < EL)]).numel())
+    fn, mode = run_op(mxfp4, x, z, router, bias, experts, attrs)
+    # The 1-3 experts an EP rank touches at T = 1 (17.5 MB each in MXFP4) would stay in the 50 MB
+    # L2 across repetitions; in the model every layer has other experts, so flush L2 there.
+    ms = time_l2_flushed_ms(fn, 20) if ep_rank else time_ms(fn, 20)
     read_ms = touched * expert_bytes(mxfp4) / (copy_gbps * 1e6)
     route = lambda: moe_kernels.route(x, router, bias, TOP_K, 1, 1, 0, True, 1.0)  # noqa: E731
     op = torch.ops.k3.situ_moe_mxfp4 if mxfp4 else torch.ops.k3.situ_moe
-    kernels = kernel_ms(lambda: op(x, z, router, bias, *experts, *ATTRS), 10)
+    kernels = kernel_ms(lambda: op(x, z, router, bias, *experts, *attrs), 10)
     gemv_gbps = {}
     for kernel, kms in kernels.items():
         share = 2 / 3 if kernel.startswith("gate_up") else 1 / 3 if kernel.startswith("down") else 0
@@ -208,6 +243,11 @@ def main() -> None:
                         help="the MoE batch-invariant mode (kernels chosen by sizes, not token count)")
     parser.add_argument("--kinds", nargs="+", choices=("bf16", "mxfp4"), default=["bf16", "mxfp4"],
                         help="expert formats to run (an A/B of MXFP4 kernels with identical bf16 ones: mxfp4)")
+    parser.add_argument("--ep-rank", action="store_true",
+                        help=f"also decode as one EP8 rank (router over {EP_E} experts, T = {EP_DECODE_T}): "
+                             "few local experts touched")
+    parser.add_argument("--ep8-prefill", action="store_true",
+                        help=f"also prefill as one EP8 rank (router over {EP_E} experts, {EL} local: the rank-slice shape)")
     parser.add_argument("--profile-once", action="store_true",
                         help="only call the bf16 prefill op once, eagerly (run under ncu)")
     args = parser.parse_args()
@@ -231,9 +271,16 @@ def main() -> None:
         if not args.decode_only:
             result["prefill"][name] = prefill_case(mxfp4, experts, g, args.ours_only)
             print(name, "prefill", json.dumps(result["prefill"][name]))
+            if args.ep8_prefill:
+                result["prefill"][f"{name}_ep8"] = prefill_case(mxfp4, experts, g, args.ours_only, ep_rank=True)
+                print(name, "prefill EP8 rank", json.dumps(result["prefill"][f"{name}_ep8"]))
         for T in () if args.prefill_only else DECODE_T:
             result["decode"][f"{name}_T{T}"] = decode_case(mxfp4, T, experts, g, result["copy_bandwidth_GBps"])
             print(name, f"decode T={T}", json.dumps(result["decode"][f"{name}_T{T}"]))
+        for T in EP_DECODE_T if args.ep_rank and not args.prefill_only else ():
+            key = f"{name}_ep8_T{T}"
+            result["decode"][key] = decode_case(mxfp4, T, experts, g, result["copy_bandwidth_GBps"], ep_rank=True)
+            print(name, f"decode EP8 rank T={T}", json.dumps(result["decode"][key]))
         del experts
         torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)

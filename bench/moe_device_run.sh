@@ -5,7 +5,9 @@
 #   bench/moe_device_run.sh
 # MOE_ONLY=1: build moe.cu alone and skip the full libraries and the plugin cases (iteration
 # calls); MOE_BENCH_ARGS: extra arguments for moe_bench.py (e.g. --prefill-only, which also skips the
-# decode-only kernel breakdown).
+# decode-only kernel breakdown; --ep8-prefill --kinds mxfp4 --ours-only for the rank-slice prefill);
+# MOE_LIB: a libk3_moe.so prebuilt elsewhere (nvcc -gencode arch=compute_90a,code=sm_90a as below),
+# used instead of building moe.cu here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp/moe_out}"
@@ -20,8 +22,8 @@ if [ "$moe_only" != 1 ]; then
   plugins_pid=$!
 fi
 # moe.cu on its own first (seconds), so the op tests need not wait for the other kernels.
-lib=/tmp/k3moe/libk3_moe.so
-timeout 120 nvcc -std=c++17 -O3 -Xcompiler -fPIC --expt-relaxed-constexpr -lineinfo -gencode arch=compute_90a,code=sm_90a \
+lib="${MOE_LIB:-/tmp/k3moe/libk3_moe.so}"
+[ -n "${MOE_LIB:-}" ] || timeout 120 nvcc -std=c++17 -O3 -Xcompiler -fPIC --expt-relaxed-constexpr -lineinfo -gencode arch=compute_90a,code=sm_90a \
   -Iplugins/include -shared -cudart static -Xptxas -v plugins/c_api/moe.cu -o "$lib" 2>"$out/ptxas.log" \
   || { cat "$out/ptxas.log"; exit 1; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader

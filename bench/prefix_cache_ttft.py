@@ -4,7 +4,7 @@
     python bench/prefix_cache_ttft.py --config .carry/k3/config.json --layers 8 \\
         --out bench/results/prefix_cache_ttft_h200.json
     python bench/prefix_cache_ttft.py --device cpu --config examples/tiny-k3/config.json --shapes 1:1,2:2 \\
-        --layers 4 --prefix-len 64 --suffix-len 8 --new-tokens 4 --block-size 16 --interval 32  # tiny
+        --layers 4 --prefix-len 128 --suffix-len 8 --new-tokens 4 --block-size 16 --interval 64  # tiny
 
 The model is a K3 rank slice as ``bench/rank_slice.py`` builds it (the config's first
 ``--layers`` layers in K3's own KDA/MLA and dense/MoE pattern, at one rank's dims of each
@@ -19,7 +19,14 @@ cache, one without. For each of ``--repeats`` fresh prefixes P, one request at a
 - uncached: P + suffix A and P + suffix B on the engine without the cache;
 - cold: P + A on the cached engine (a miss: the KDA prefill writes the snapshots mid-chunk,
   so it runs the uncached steps; the cache's cost on a miss is the snapshot writes);
-- cached: P + B on the cached engine, which restores the snapshot at len(P) and prefills B.
+- cached: P + B on the cached engine, which restores the snapshot at len(P) and prefills B;
+- uncached, cut at the hit: P + B on an engine without the cache whose token budget is the
+  hit's position, so its first chunk ends where the hit resumes and the second computes what
+  the hit computes. The hit against it isolates caching: bitwise equal when the restored
+  snapshot (taken mid-chunk by the cold prefill of P + A) and P's blocks are exactly what a
+  prefill of P alone leaves, i.e. when no kernel's per-token result depends on the chunk's
+  length (a GEMM picking another tiling for another row count breaks that, not the cache).
+  It against the one-chunk uncached run shows what cutting the prefill alone changes in bf16.
 
 TTFT is the engine's own (a request's arrival to its first token, every step synchronised
 by the sampler's copy to the host). Agreement: the cached run's generated tokens (greedy)
@@ -46,7 +53,7 @@ from rank_slice import (BenchError, _fill_random_, _int_at_least, bench_device, 
                         model_bytes, rank_parallel, read_config_json, slice_config, slice_description,
                         write_json)
 
-from k3_trtllm.model import K3Caches, K3ForCausalLM  # noqa: E402
+from k3_trtllm.model import K3Caches, K3ForCausalLM, prepare_weights_  # noqa: E402
 from k3_trtllm.runtime.block_manager import resolve_prefix_interval  # noqa: E402
 from k3_trtllm.runtime.engine import EngineConfig, LLMEngine  # noqa: E402
 from k3_trtllm.runtime.executor import TorchExecutor  # noqa: E402
@@ -66,7 +73,7 @@ def build_model(cfg, par, device: torch.device, seed: int) -> K3ForCausalLM:
     with torch.no_grad():
         for name, buf in model.named_buffers():
             _fill_random_(name, buf)
-    return model.eval()
+    return prepare_weights_(model).eval()  # the kernels' layout, as a loaded model has it
 
 
 class LogitsTap:
@@ -86,10 +93,12 @@ class LogitsTap:
         engine.runner.run = tapped
 
 
-def make_engine(model, cfg, tp: int, args, device: torch.device, prefix_cache: bool):
+def make_engine(model, cfg, tp: int, args, device: torch.device, prefix_cache: bool,
+                max_num_tokens: int | None = None):
     """An engine as ``build_engine`` makes one, over ``model``: pools for a few requests of
     ``--prefix-len + --suffix-len + --new-tokens`` tokens, and with the cache, snapshot rows
-    for every interval of every prefix of the run."""
+    for every interval of every prefix of the run; ``max_num_tokens`` (None: the flag's) cuts
+    prefills into chunks of that many tokens."""
     per_seq = args.prefix_len + args.suffix_len + args.new_tokens
     max_slots = 2
     interval = resolve_prefix_interval(args.interval, args.block_size) if prefix_cache else 0
@@ -103,7 +112,8 @@ def make_engine(model, cfg, tp: int, args, device: torch.device, prefix_cache: b
     caches = K3Caches.allocate(cfg, num_blocks, args.block_size, max_slots, model.dtype, device, tp_size=tp,
                                snapshot_slots=snapshots)
     config = EngineConfig(num_blocks=num_blocks, max_slots=max_slots, block_size=args.block_size,
-                          max_batch_size=max_slots, max_num_tokens=args.max_num_tokens, max_seq_len=per_seq,
+                          max_batch_size=max_slots, max_num_tokens=max_num_tokens or args.max_num_tokens,
+                          max_seq_len=per_seq,
                           prefix_cache=prefix_cache, prefix_cache_interval=interval,
                           snapshot_slots=snapshots if prefix_cache else None)
     engine = LLMEngine(TorchExecutor(model, caches, device), config)
@@ -127,7 +137,7 @@ def compare(a, b, a_logits: torch.Tensor, b_logits: torch.Tensor) -> dict:
     top = torch.topk(b_logits, 2).values
     return {"tokens_identical": ta == tb, "first_differing_token": first_diff,
             "logits_max_abs_diff": diff.max().item(), "logits_rms_diff": diff.pow(2).mean().sqrt().item(),
-            "logits_rms": ref_rms,
+            "logits_rms": ref_rms, "logits_bitwise_equal": torch.equal(a_logits, b_logits),
             "logits_cosine": torch.nn.functional.cosine_similarity(a_logits, b_logits, dim=0).item(),
             "first_token_equal": int(a_logits.argmax()) == int(b_logits.argmax()),
             "reference_top1_margin": (top[0] - top[1]).item()}
@@ -147,6 +157,10 @@ def run_shape(data: dict, source: str, device: torch.device, args, tp: int, ep: 
     off, off_tap = make_engine(model, cfg, tp, args, device, prefix_cache=False)
     on, on_tap = make_engine(model, cfg, tp, args, device, prefix_cache=True)
     interval = on.scheduler.prefix.interval
+    cut_at = min(args.prefix_len // args.block_size * args.block_size,
+                 args.prefix_len + args.suffix_len - 1) // interval * interval  # where P + B's hit resumes
+    # the uncached twin of the hit: its first chunk ends at cut_at (none when P holds no snapshot)
+    cut = make_engine(model, cfg, tp, args, device, prefix_cache=False, max_num_tokens=cut_at) if cut_at else None
     rng = random.Random(args.seed)
     vocab = model.lm_head.weight.shape[0]  # the rank's vocabulary shard: its embedding rows
 
@@ -156,7 +170,7 @@ def run_shape(data: dict, source: str, device: torch.device, args, tp: int, ep: 
     # Warm both engines on prompts of the measured shapes: a full prefill, a miss and a hit,
     # decode graphs, so that no first-call cost (kernel loads, allocator growth) is timed.
     warm_prefix = ids(args.prefix_len)
-    for engine, tap in ((off, off_tap), (on, on_tap)):
+    for engine, tap in ((off, off_tap), (on, on_tap)) + ((cut,) if cut else ()):
         for _ in range(2):
             run_one(engine, tap, warm_prefix + ids(args.suffix_len), args.new_tokens, keep_logits=False)
     on.reset_stats()
@@ -170,6 +184,7 @@ def run_shape(data: dict, source: str, device: torch.device, args, tp: int, ep: 
     # P + B first shares P with P + A; run again, it shares all of itself (snapshots taken
     # past P by its first run)
     expected = [0, deepest(args.prefix_len), deepest(args.prefix_len + args.suffix_len)]
+    assert expected[1] == cut_at
     rows = []
     for r in range(args.repeats):
         prefix, a, b = ids(args.prefix_len), ids(args.suffix_len), ids(args.suffix_len)
@@ -180,29 +195,61 @@ def run_shape(data: dict, source: str, device: torch.device, args, tp: int, ep: 
         # the same requests again without the logits tap: the timed runs
         t_unc = run_one(off, off_tap, prefix + b, args.new_tokens, keep_logits=False)[0]
         t_hit = run_one(on, on_tap, prefix + b, args.new_tokens, keep_logits=False)[0]
+        versus_cut = {}
+        if cut:
+            unc_cut, unc_cut_logits = run_one(*cut, prefix + b, args.new_tokens, keep_logits=True)
+            t_cut = run_one(*cut, prefix + b, args.new_tokens, keep_logits=False)[0]
+            versus_cut = {"ttft_uncached_cut_s": t_cut.ttft_s,
+                          "cached_vs_uncached_cut": compare(hit, unc_cut, hit_logits, unc_cut_logits),
+                          "uncached_cut_vs_uncached": compare(unc_cut, unc_b, unc_cut_logits, unc_b_logits)}
         rows.append({
             "ttft_uncached_s": t_unc.ttft_s, "ttft_cached_s": t_hit.ttft_s, "ttft_cold_s": cold.ttft_s,
             "cached_tokens": [cold.cached_tokens, hit.cached_tokens, t_hit.cached_tokens],
             "cached_vs_uncached": compare(hit, unc_b, hit_logits, unc_b_logits),
             "cold_vs_uncached": compare(cold, unc_a, cold_logits, unc_a_logits),
             "timed_cached_tokens_identical": t_hit.output_token_ids == unc_b.output_token_ids,
+            **versus_cut,
         })
         print(f"tp {tp} ep {ep} repeat {r}: TTFT uncached {t_unc.ttft_s * 1e3:.2f} ms, cached {t_hit.ttft_s * 1e3:.2f} ms "
               f"({hit.cached_tokens} cached tokens), cold {cold.ttft_s * 1e3:.2f} ms; tokens identical "
               f"{rows[-1]['cached_vs_uncached']['tokens_identical']}, logits cosine "
-              f"{rows[-1]['cached_vs_uncached']['logits_cosine']:.6f}", flush=True)
+              f"{rows[-1]['cached_vs_uncached']['logits_cosine']:.6f}"
+              + (f"; uncached cut at {cut_at}: TTFT {versus_cut['ttft_uncached_cut_s'] * 1e3:.2f} ms, hit logits "
+                 f"bitwise equal {versus_cut['cached_vs_uncached_cut']['logits_bitwise_equal']}" if cut else ""),
+              flush=True)
     unc, hit = ms(r["ttft_uncached_s"] for r in rows), ms(r["ttft_cached_s"] for r in rows)
     speedup = unc["median"] / hit["median"]
     agree = [r["cached_vs_uncached"] for r in rows]
     cached_ok = all(r["cached_tokens"] == expected for r in rows)
+    ttft = {"uncached": unc, "cached": hit, "cold_with_cache": ms(r["ttft_cold_s"] for r in rows)}
+    versus_cut = {}
+    if cut:
+        ttft["uncached_cut_at_hit"] = ms(r["ttft_uncached_cut_s"] for r in rows)
+        hit_vs_cut = [r["cached_vs_uncached_cut"] for r in rows]
+        cut_vs_whole = [r["uncached_cut_vs_uncached"] for r in rows]
+        versus_cut = {
+            "speedup_vs_uncached_cut": ttft["uncached_cut_at_hit"]["median"] / hit["median"],
+            # caching alone: the hit against the uncached run computing the same chunks
+            "cached_vs_uncached_cut": {
+                "tokens_identical": sum(a["tokens_identical"] for a in hit_vs_cut), "of": len(hit_vs_cut),
+                "logits_bitwise_equal": sum(a["logits_bitwise_equal"] for a in hit_vs_cut),
+                "worst_logits_cosine": min(a["logits_cosine"] for a in hit_vs_cut),
+                "worst_logits_max_abs_diff": max(a["logits_max_abs_diff"] for a in hit_vs_cut)},
+            # chunking alone: the prefill cut at the hit against the one-chunk prefill, both uncached
+            "uncached_cut_vs_uncached": {
+                "tokens_identical": sum(a["tokens_identical"] for a in cut_vs_whole), "of": len(cut_vs_whole),
+                "worst_logits_cosine": min(a["logits_cosine"] for a in cut_vs_whole),
+                "worst_logits_max_abs_diff": max(a["logits_max_abs_diff"] for a in cut_vs_whole)},
+        }
     return {
         "slice": slice_description(cfg, par, tp, ep),
         "weights_gib": weights / 2**30,
         "request": {"prefix_tokens": args.prefix_len, "suffix_tokens": args.suffix_len,
                     "new_tokens": args.new_tokens, "block_size": args.block_size, "interval": interval,
-                    "max_num_tokens": args.max_num_tokens, "expected_cached_tokens": expected},
-        "ttft_ms": {"uncached": unc, "cached": hit, "cold_with_cache": ms(r["ttft_cold_s"] for r in rows)},
-        "speedup": speedup, "goal_met": speedup >= GOAL_SPEEDUP,
+                    "max_num_tokens": args.max_num_tokens, "expected_cached_tokens": expected,
+                    "uncached_cut_at": cut_at or None},
+        "ttft_ms": ttft,
+        "speedup": speedup, "goal_met": speedup >= GOAL_SPEEDUP, **versus_cut,
         "cached_tokens_as_expected": cached_ok,
         "agreement": {
             "tokens_identical": sum(a["tokens_identical"] for a in agree), "of": len(agree),
@@ -307,6 +354,13 @@ def main(argv=None) -> int:
               f"{t['cached']['median']:.2f} ms ({run['speedup']:.1f}x, goal {GOAL_SPEEDUP:.0f}x), cold with cache "
               f"{t['cold_with_cache']['median']:.2f} ms; tokens identical {run['agreement']['tokens_identical']}/"
               f"{run['agreement']['of']}, cached tokens as expected: {run['cached_tokens_as_expected']}")
+        if "uncached_cut_at_hit" in t:
+            vs = run["cached_vs_uncached_cut"]
+            print(f"  vs uncached cut at the hit ({run['request']['uncached_cut_at']}): TTFT "
+                  f"{t['uncached_cut_at_hit']['median']:.2f} ms ({run['speedup_vs_uncached_cut']:.1f}x); hit tokens "
+                  f"identical {vs['tokens_identical']}/{vs['of']}, logits bitwise equal {vs['logits_bitwise_equal']}/"
+                  f"{vs['of']}, worst cosine {vs['worst_logits_cosine']:.6f}; cut vs one chunk, worst cosine "
+                  f"{run['uncached_cut_vs_uncached']['worst_logits_cosine']:.6f}")
     if args.out:
         write_json(args.out, report)
         print(f"wrote {args.out}")

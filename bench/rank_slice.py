@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from k3_trtllm.config import ConfigError, K3Config, parse_config  # noqa: E402
 from k3_trtllm.checkpoint.errors import CheckpointError  # noqa: E402
 from k3_trtllm.checkpoint.rank_layout import rank_layout_for  # noqa: E402
-from k3_trtllm.model import K3Caches, K3ForCausalLM, Parallel, build_step  # noqa: E402
+from k3_trtllm.model import K3Caches, K3ForCausalLM, Parallel, build_step, prepare_weights_  # noqa: E402
 from k3_trtllm.model.step import is_pure_decode  # noqa: E402
 from k3_trtllm.model.k3 import DecoderLayer, head_logits  # noqa: E402
 from k3_trtllm.model.layers import LatentMoE  # noqa: E402
@@ -196,7 +196,7 @@ def build_rank(cfg: K3Config, par: RankShard, layout: PoolLayout, device: torch.
     caches = K3Caches.allocate(cfg, layout.num_blocks, layout.block_size, layout.max_seqs, torch.bfloat16,
                                device, tp_size=par.shard)
     fill_caches_(caches)
-    return model.eval(), caches
+    return prepare_weights_(model).eval(), caches  # the kernels' layout, as a loaded model has it
 
 
 def fill_caches_(caches: K3Caches) -> None:

@@ -38,9 +38,11 @@ def server(engine_dir, tmp_path_factory):
     assert result.exit_code == 0, result.output
     pbtxt = (work / "repo" / "k3" / "config.pbtxt").read_text()
     given = dict(re.findall(r'key: "(\w+)" value: \{ string_value: "([^"]*)" \}', pbtxt))
-    # what the user gave, plus the engine's batch bound; not the CLI's defaults (bfloat16, block 16, the
-    # prefix cache, which an engine dir takes only when asked for)
-    assert set(given) == {"model_dir", "max_batch_size", "num_blocks", "max_slots", "cancellation_check_period_ms"}
+    # what the user gave, plus the engine's batch bound and the prefix cache (on by default: the engine's KDA
+    # plugins write the snapshots); not the CLI's other defaults (bfloat16, block 16)
+    assert set(given) == {"model_dir", "max_batch_size", "num_blocks", "max_slots", "cancellation_check_period_ms",
+                          "prefix_cache"}
+    assert given["prefix_cache"] == "True"
     assert given["max_batch_size"] == "8" and "max_batch_size: 8" in pbtxt
     with running_server(work / "repo", work) as srv:
         yield srv

@@ -118,7 +118,8 @@ def test_graph_io_is_the_step_contract_and_the_build_config(engine):
     # each pool is an input and, as its `_out` alias, an output (bound to the same buffer)
     pools = [t["name"] for t in config["inputs"] if "pool" in t]
     assert pools == [t.name for t in inputs if t.pool]
-    assert len(pools) == len(cfg.mla_layer_indices) + 2 * len(cfg.kda_layer_indices)
+    # a KDA layer's state pools and its snapshot pools (which the step graph binds and never writes)
+    assert len(pools) == len(cfg.mla_layer_indices) + 4 * len(cfg.kda_layer_indices)
     assert config["aliases"] == {name: f"{name}_out" for name in pools}
     assert [o.name for o in graph.graph.output][1:] == [f"{name}_out" for name in pools]
 

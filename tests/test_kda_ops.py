@@ -460,6 +460,11 @@ _BAD_SNAPSHOTS = {  # case: (offsets, rows of a 3-sequence step [4, 2, 70], mess
                            r"snapshot_offsets row 0 \[-1, 4\]: -1 entries must come last"),
     "row_out_of_range": ([[4, -1], [-1, -1], [-1, -1]], [[2, 0], [0, 0], [0, 0]], "snapshot_rows 2 of sequence 0"),
     "row_twice": ([[4, -1], [2, -1], [-1, -1]], [[1, 0], [1, 0], [0, 0]], "snapshot_rows 1 of sequence 1"),
+    # the kernels' own check (chunk.cuh snapshot_entry_bad) refuses these too (tests/gpu/test_kda_cuda.py)
+    "zero_point": ([[0, -1], [-1, -1], [-1, -1]], [[0, 0], [0, 0], [0, 0]], "snapshot_offsets row 0"),
+    "negative_point": ([[-1, -1], [-5, -1], [-1, -1]], [[0, 0], [0, 0], [0, 0]], "snapshot_offsets row 1"),
+    "repeated_point": ([[-1, -1], [-1, -1], [64, 64]], [[0, 0], [0, 0], [0, 1]], "snapshot_offsets row 2"),
+    "negative_row": ([[4, -1], [-1, -1], [-1, -1]], [[-1, 0], [0, 0], [0, 0]], "snapshot_rows -1 of sequence 0"),
 }
 
 

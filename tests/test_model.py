@@ -166,3 +166,28 @@ def test_moe_terms_added_by_the_mix_equal_the_summed_output(preset, ckpt_dir, mo
     want = model(step, summed_caches, decode=False)
     assert torch.equal(got, want)
     _caches_equal(caches, summed_caches, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_padded_kda_in_proj_changes_no_bit(ckpt_dir, dtype):
+    """The loaded model multiplies by KDA in_proj rows padded to a multiple of 8 (layers.py:
+    pad_in_proj_; the tiny model's 548 rows become 552), while its state_dict stays the
+    checkpoint's tensors; logits and every cache equal, bit for bit, those of the same model
+    with the padding undone (the checkpoint's rows alone), over a prefill and decode steps."""
+    model = load_model(ckpt_dir("tiny"), dtype=dtype)
+    plain = copy.deepcopy(model)
+    kda = [m for m in model.modules() if type(m).__name__ == "KdaAttention"]
+    assert kda
+    for m in (m for m in plain.modules() if type(m).__name__ == "KdaAttention"):
+        m.in_proj.weight = m.in_proj.weight.clone()  # compact: the padded rows are gone
+        assert m._in_proj_weight().shape[0] == sum(m.split)
+    for m in kda:
+        assert m._in_proj_weight().shape[0] == 552 and m.in_proj.weight.shape[0] == sum(m.split) == 548
+    state = model.state_dict()
+    assert all(state[n].shape == t.shape and torch.equal(state[n], t) for n, t in plain.state_dict().items())
+    ids = _prompt(7, 40)
+    table = _table(0, 4)
+    got, got_caches = _incremental(model, ids, 33, table)
+    want, want_caches = _incremental(plain, ids, 33, table)
+    assert torch.equal(got, want)
+    _caches_equal(got_caches, want_caches, rtol=0, atol=0)

@@ -95,6 +95,68 @@ def test_chain_hash_is_blake2b_of_the_previous_hash_and_the_block():
     assert chain_hashes(make_seq(2, [1, 2, 3, 4] + tokens[4:8]), BS, 2)[1] != expect[1]
 
 
+def test_chain_hashing_updates_each_block_once(monkeypatch):
+    """The hit path hashes a whole prompt prefix (64 blocks of a 4k one): one update per block
+    of its packed ids, not one per token; the digests are the definition's (test above)."""
+    import k3_trtllm.runtime.block_manager as bm_module
+
+    updates, blake2b = [], hashlib.blake2b
+
+    class Counting:
+        def __init__(self, *args, **kwargs):
+            self.h = blake2b(*args, **kwargs)
+
+        def update(self, data):
+            updates.append(len(data))
+            self.h.update(data)
+
+        def digest(self):
+            return self.h.digest()
+
+    tokens = [3 + i % 1000 for i in range(4096)]
+    expect = chain_hashes(make_seq(0, tokens), 64, 64)
+    monkeypatch.setattr(bm_module.hashlib, "blake2b", Counting)
+    assert chain_hashes(make_seq(1, tokens), 64, 64) == expect
+    assert updates == [64 * 4] * 64
+
+
+def test_state_copies_without_overlap_are_one_fused_copy_of_row_views():
+    """Restores (snapshot -> slot) and the copies after a step (slot -> snapshot) read no row they
+    write: the rows are copied as views, every layer in one _foreach_copy_ per pool kind (no index
+    tensors staged to the device, no gathered temporaries), with the values of the general path."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    cfg = load_model(TINY_K3, dtype=torch.float32).config
+    caches = K3Caches.allocate(cfg, 2, BS, 3, torch.float32, snapshot_slots=3)
+    gen = torch.Generator().manual_seed(1)
+    for pool in (caches.conv, caches.recurrent, caches.snapshot_conv, caches.snapshot_recurrent):
+        for t in pool.values():
+            t.copy_(torch.randn(t.shape, generator=gen))
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    for copies in ([(4, 0)], [(3, 1), (5, 2)], [(0, 3), (2, 5)]):
+        run = lambda c: [torch.cat([c.conv[i], c.snapshot_conv[i]]).clone() for i in c.conv] + \
+            [torch.cat([c.recurrent[i], c.snapshot_recurrent[i]]).clone() for i in c.recurrent]
+        before = run(caches)
+        with Ops() as ops:
+            caches.copy_states(copies)
+        assert [f.__name__ for f in ops.seen if "copy" in f.__name__ or "index" in f.__name__] == \
+            ["_foreach_copy_.default"] * 2, ops.seen
+        for old, new in zip(before, run(caches)):
+            expect = old.clone()
+            for src, dst in copies:
+                expect[dst] = old[src]
+            assert torch.equal(new, expect)
+
+
 def _computed(bm: BlockManager, seq_id: int, tokens: list[int]) -> Sequence:
     """A sequence whose tokens were all computed: its blocks allocated and registered."""
     seq = make_seq(seq_id, tokens)
@@ -184,9 +246,14 @@ def test_interval_and_snapshot_counts_are_checked_and_sized():
     with pytest.raises(ValueError, match="--prefix-cache-snapshots"):
         size_pools(1, 1, block_size=16, max_batch_size=4, max_seq_len=64, num_blocks=4, max_slots=2,
                    prefix_cache=True, snapshot_slots=0)
-    # explicit pools: one snapshot row per slot unless given; none without the cache
+    # explicit pools: one snapshot row per slot unless given, but no more than one per interval of the
+    # given blocks (4 blocks of 16 hold no 512-token prefix: the floor of one row); none without the cache
     assert size_pools(1, 1, block_size=16, max_batch_size=4, max_seq_len=64, num_blocks=4, max_slots=2,
-                      prefix_cache=True) == (4, 2, 2)
+                      prefix_cache=True) == (4, 2, 1)
+    assert size_pools(1, 1, block_size=16, max_batch_size=4, max_seq_len=64, num_blocks=4, max_slots=8,
+                      prefix_cache=True, prefix_cache_interval=16) == (4, 8, 4)
+    assert size_pools(1, 1, block_size=16, max_batch_size=4, max_seq_len=64, num_blocks=400, max_slots=3,
+                      prefix_cache=True, prefix_cache_interval=16) == (400, 3, 3)
     assert size_pools(1, 1, block_size=16, max_batch_size=4, max_seq_len=64, num_blocks=4, max_slots=2,
                       snapshot_slots=5) == (4, 2, 0)
     # a budget of 64 rows/blocks: 8 slots, a quarter (16) to snapshots, the rest to blocks
@@ -480,7 +547,11 @@ def test_tiny_k3_preemption_and_arrivals_while_decoding_equal_no_cache(model):
 
 # -- world size 2 (gloo, CPU) ------------------------------------------------------
 
-def test_world2_with_hits_gives_world1_tokens(ckpt_dir):
+def test_world2_with_hits_gives_world1_tokens(ckpt_dir, monkeypatch):
+    """Each rank restores its own heads' snapshots; the restores travel in the step broadcast (a hit
+    costs no collective of its own: rank 0 broadcasts a header and a payload per step, nothing else)."""
+    import k3_trtllm.runtime.distributed as distributed
+
     wave1, wave2, params = waves(13)
     common = dict(dtype=torch.float64, block_size=BS, num_blocks=96, max_slots=8, max_batch_size=8,
                   max_num_tokens=256, max_seq_len=64)
@@ -488,8 +559,12 @@ def test_world2_with_hits_gives_world1_tokens(ckpt_dir):
     expected = run_waves(world1, wave1, wave2, params)
     engine = build_engine(ckpt_dir("tiny"), tp=2, prefix_cache=True, prefix_cache_interval=S, snapshot_slots=24,
                           **common)
+    broadcasts, broadcast = [], distributed.dist.broadcast
+    monkeypatch.setattr(distributed.dist, "broadcast", lambda *a, **k: broadcasts.append(1) or broadcast(*a, **k))
     try:
+        steps = engine.runner.executor.steps
         got = run_waves(engine, wave1, wave2, params)
+        assert len(broadcasts) == 2 * (engine.runner.executor.steps - steps)
         for a, b in zip(got, expected):
             assert [r.output_token_ids for r in a] == [r.output_token_ids for r in b]
         histories = [history(r) for r in got[0]]
@@ -502,19 +577,26 @@ def test_world2_with_hits_gives_world1_tokens(ckpt_dir):
 
 # -- the segmented engine dir (EngineExecutor, CPU ONNX backend) ---------------------
 
-def test_engine_dir_executor_restores_snapshots_and_gives_the_uncached_tokens(tmp_path):
+def build_tiny_engine_dir(root: Path, *, max_num_tokens: int, max_seq_len: int, block_size: int) -> Path:
+    """The tiny K3 converted (world 1) and built as a segmented fp32 engine dir (no plans)."""
     from click.testing import CliRunner
 
     from k3_trtllm.cli import main
     from k3_trtllm.convert import convert_checkpoint
+
+    convert_checkpoint(TINY_K3, root / "ckpt", 1, 1, progress=False)
+    result = CliRunner().invoke(main, ["build", str(root / "ckpt"), str(root / "engine"), "--layout",
+                                       "segments", "--dtype", "float32", "--builder", "none", "--quiet",
+                                       "--max-batch-size", "4", "--max-num-tokens", str(max_num_tokens),
+                                       "--max-seq-len", str(max_seq_len), "--block-size", str(block_size)])
+    assert result.exit_code == 0, result.output
+    return root / "engine"
+
+
+def test_engine_dir_executor_restores_snapshots_and_gives_the_uncached_tokens(tmp_path):
     from k3_trtllm.trt.engine_executor import EngineExecutor
 
-    convert_checkpoint(TINY_K3, tmp_path / "ckpt", 1, 1, progress=False)
-    result = CliRunner().invoke(main, ["build", str(tmp_path / "ckpt"), str(tmp_path / "engine"), "--layout",
-                                       "segments", "--dtype", "float32", "--builder", "none", "--quiet",
-                                       "--max-batch-size", "4", "--max-num-tokens", "32", "--max-seq-len", "64",
-                                       "--block-size", str(BS)])
-    assert result.exit_code == 0, result.output
+    build_tiny_engine_dir(tmp_path, max_num_tokens=32, max_seq_len=64, block_size=BS)
     rng = random.Random(14)
     text = [rng.randrange(3, 1024) for _ in range(20)]
     wave1, wave2 = [text[:17]], [text[:17] + [5], text[:9] + [6, 7]]
@@ -532,6 +614,158 @@ def test_engine_dir_executor_restores_snapshots_and_gives_the_uncached_tokens(tm
         assert [r.output_token_ids for r in a] == [r.output_token_ids for r in b]
     assert [r.cached_tokens for r in on[1]] == [2 * S, S]
     check_all_released(engine)
+
+
+def pre_snapshot_engine_dir(engine: Path, out: Path) -> Path:
+    """``engine`` as an engine dir built before the KDA segment took the snapshots: its graph's
+    snapshot inputs become what that graph computed inside (-1 points, one zeroed stand-in row per
+    pool) and its config lists none, as such dirs do."""
+    import json
+    import shutil
+
+    import onnx
+    from onnx import helper
+
+    shutil.copytree(engine, out)
+    path = out / "segments/kda_attention.onnx"
+    graph_model = onnx.load(str(path))
+    g = graph_model.graph
+    taken = {"snapshot_offsets", "snapshot_rows", "snapshot_conv", "snapshot_recurrent"}
+    pools = {i.name: i for i in g.input if i.name in ("snapshot_conv", "snapshot_recurrent")}
+    nodes = [helper.make_node("Constant", [], ["_h1_zero"], value=helper.make_tensor("z", onnx.TensorProto.INT32,
+                                                                                       [], [0])),
+             helper.make_node("Constant", [], ["_h1_one"], value=helper.make_tensor("o", onnx.TensorProto.INT32,
+                                                                                      [], [1])),
+             helper.make_node("Constant", [], ["_h1_axis"], value=helper.make_tensor("a", onnx.TensorProto.INT64,
+                                                                                       [1], [1])),
+             helper.make_node("Mul", ["state_slots", "_h1_zero"], ["_h1_zeros"]),
+             helper.make_node("Sub", ["_h1_zeros", "_h1_one"], ["_h1_minus"]),
+             helper.make_node("Unsqueeze", ["_h1_minus", "_h1_axis"], ["snapshot_offsets"]),
+             helper.make_node("Unsqueeze", ["_h1_zeros", "_h1_axis"], ["snapshot_rows"])]
+    for name, value in pools.items():
+        dims = [1] + [d.dim_value for d in value.type.tensor_type.shape.dim[1:]]
+        nodes.append(helper.make_node("Constant", [], [f"_h1_{name}_shape"],
+                                      value=helper.make_tensor("s", onnx.TensorProto.INT64, [len(dims)], dims)))
+        nodes.append(helper.make_node("ConstantOfShape", [f"_h1_{name}_shape"], [name], value=helper.make_tensor(
+            "v", value.type.tensor_type.elem_type, [1], [0])))
+    kept_in = [i for i in g.input if i.name not in taken]
+    kept_out = [o for o in g.output if o.name.removesuffix("_out") not in taken]
+    del g.input[:], g.output[:]
+    g.input.extend(kept_in)
+    g.output.extend(kept_out)
+    body = list(g.node)
+    del g.node[:]
+    g.node.extend(nodes + body)
+    onnx.save(graph_model, str(path))
+    config = json.loads((out / "config.json").read_text())
+    for seg in config["segments"]:
+        if seg["kind"] == "kda_attention":
+            seg["inputs"] = [t for t in seg["inputs"] if t["name"] not in taken]
+            seg["outputs"] = [t for t in seg["outputs"] if t["name"].removesuffix("_out") not in taken]
+            seg["aliases"] = {k: v for k, v in seg["aliases"].items() if k not in taken}
+            for phase in ("prefill", "decode"):
+                seg["profiles"][phase] = {k: v for k, v in seg["profiles"][phase].items() if k not in taken}
+    for key in ("max_snapshot_points", "max_snapshot_slots"):
+        del config["limits"][key]
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_engine_dir_prefill_writes_its_snapshots_mid_chunk_as_the_torch_executor(tmp_path, model):
+    """The KDA segment takes the snapshot points and pools: a 200-token prompt (interval 64)
+    prefills in one step as without the cache, its 3 snapshots written by the plugin's op, and a
+    request on 150 of its tokens restores the one at 128: the tokens of the torch executor with
+    and without the cache, and the cached tokens the hashes predict. An engine dir from before
+    (no snapshot inputs) still runs, cutting the prefill at the snapshots and copying them."""
+    from k3_trtllm.trt.engine_executor import EngineExecutor
+
+    engine_dir = build_tiny_engine_dir(tmp_path, max_num_tokens=256, max_seq_len=256, block_size=16)
+    rng = random.Random(8)
+    prompt = [rng.randrange(3, 1024) for _ in range(200)]
+    probe = prompt[:150] + [5, 6]
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+
+    def engine_for(executor, prefix):
+        config = EngineConfig(num_blocks=40, max_slots=2, block_size=16, max_batch_size=2, max_num_tokens=256,
+                              prefix_cache=prefix, prefix_cache_interval=64, snapshot_slots=6)
+        return LLMEngine(executor, config, eos_token_ids=(model.config.eos_token_id,))
+
+    caches = K3Caches.allocate(model.config, 40, 16, 2, torch.float32)
+    expected = [r.output_token_ids for r in engine_for(TorchExecutor(model, caches, "cpu"), False).generate(
+        [prompt, probe], params)]
+    for directory, mid_chunk in ((engine_dir, True), (pre_snapshot_engine_dir(engine_dir, tmp_path / "old"), False)):
+        ex = EngineExecutor(directory, num_blocks=40, max_slots=2, snapshot_slots=6)
+        assert ex.writes_snapshots is mid_chunk
+        engine = engine_for(ex, True)
+        calls = steps_of(engine)
+        first = engine.generate([prompt], params)[0]
+        assert engine.scheduler.prefix.snapshots_taken == 3
+        hit = engine.generate([probe], params)[0]
+        prefills = [n for n, decode in calls if not decode]
+        assert prefills == ([200, 152 - 128] if mid_chunk else [64, 64, 64, 8, 152 - 128]), directory
+        assert hit.cached_tokens == 128 == expected_hit(probe, [history(first)], 64)
+        assert [first.output_token_ids, hit.output_token_ids] == expected, directory
+        check_all_released(engine)
+
+
+def test_engine_dir_one_token_per_sequence_step_takes_its_snapshots_by_copy(tmp_path, model):
+    """A step of one token per sequence that is no pure decode (a decode token ending at a
+    snapshot position beside a 1-token prompt): the KDA plugin runs it as a decode, which takes no
+    points, so the executor binds none and copies the state row the step leaves; the snapshot
+    equals the torch executor's, written by its op."""
+    from k3_trtllm.model import build_step
+    from k3_trtllm.trt.engine_executor import EngineExecutor
+
+    ex = EngineExecutor(build_tiny_engine_dir(tmp_path, max_num_tokens=32, max_seq_len=64, block_size=BS),
+                        num_blocks=8, max_slots=2, snapshot_slots=2)
+    ref = K3Caches.allocate(model.config, 8, BS, 2, torch.float32, snapshot_slots=2)
+    prompt = list(range(3, 3 + S))
+    steps = [build_step([(prompt[:-1], 0, 0, [0, 1])], BS),
+             build_step([(prompt[-1:], S - 1, 0, [0, 1]), ([9], 0, 1, [2])], BS, snapshots=[[(1, 1)], []])]
+    bound, run = [], ex.backend.run
+
+    def spy(kind, feeds, outs, phase):
+        if kind == "kda_attention":
+            bound.append(feeds["snapshot_offsets"].clone())
+        run(kind, feeds, outs, phase)
+
+    ex.backend.run = spy
+    for step in steps:
+        torch.testing.assert_close(ex.execute(step, False), model(step, ref, decode=False), rtol=0, atol=2e-4)
+    assert all((b == -1).all() for b in bound)  # the plugin was given no point
+    for pool in ("snapshot_conv", "snapshot_recurrent"):
+        for layer, t in getattr(ref, pool).items():
+            assert t[1].abs().sum() > 0
+            torch.testing.assert_close(getattr(ex.caches, pool)[layer][1], t[1], rtol=0, atol=2e-4)
+
+
+def test_no_graph_or_step_makes_a_stand_in_snapshot_pool_per_call(tmp_path, model):
+    """The KDA nodes of the segment graph and of the monolithic step graph take their snapshot
+    pools straight from graph inputs (bound once by the executor), not from a zero-fill inside the
+    graph run at every call; a torch step over caches built without snapshot pools makes the
+    one-row stand-in once and binds the same rows at later steps."""
+    import onnx
+
+    from k3_trtllm.export.exporter import export_step_onnx
+    from k3_trtllm.model import build_step
+    from k3_trtllm.ops.contract import KDA_PREFILL
+
+    pools = [i for i, t in enumerate(KDA_PREFILL.inputs) if t.name in ("snapshot_conv", "snapshot_recurrent")]
+    engine_dir = build_tiny_engine_dir(tmp_path, max_num_tokens=32, max_seq_len=64, block_size=BS)
+    export_step_onnx(model, tmp_path / "step.onnx", BS, log=lambda _: None)
+    for path in (engine_dir / "segments/kda_attention.onnx", tmp_path / "step.onnx"):
+        graph = onnx.load(str(path), load_external_data=False).graph
+        names = {i.name for i in graph.input}
+        nodes = [n for n in graph.node if n.op_type == KDA_PREFILL.plugin]
+        assert nodes and all(n.input[i] in names for n in nodes for i in pools), path
+    full = model.allocate_caches(4, BS, 2)
+    caches = K3Caches(full.latent, full.conv, full.recurrent, BS)  # no snapshot pools
+    seen = []
+    for step in (build_step([([5, 6, 7], 0, 0, [0])], BS), build_step([([8], 3, 0, [0])], BS)):
+        model(step, caches, decode=False)
+        seen.append({i: t.data_ptr() for i, t in caches.snapshot_recurrent.items()})
+    assert seen[0] == seen[1] and set(seen[0]) == set(model.config.kda_layer_indices)
+    assert all(t.shape[0] == 1 and not t.any() for t in caches.snapshot_recurrent.values())
 
 
 def test_tiny_k3_4k_prompt_prefills_in_one_step_and_takes_its_snapshots(model):

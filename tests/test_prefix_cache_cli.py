@@ -13,6 +13,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 from click.testing import CliRunner
 
 from k3_trtllm.cli import main
@@ -83,6 +84,36 @@ def test_snapshot_count_is_bounded(tmp_path, command):
     result = invoke(command, TINY, *where, *POOL, "--prefix-cache", "--prefix-cache-snapshots", "0")
     assert result.exit_code == 2 and "Invalid value for '--prefix-cache-snapshots'" in result.output
     assert not (tmp_path / "repo").exists()
+
+
+def test_snapshot_rows_beside_given_pools_are_stated_on_stderr_and_in_the_json():
+    """--num-blocks and --max-slots without a budget: the snapshot rows the cache adds are memory the
+    user did not size, so their count and MiB are one stderr line and the JSON's snapshot_bytes."""
+    from k3_trtllm.model import K3Caches, load_model
+
+    row = K3Caches.bytes_per_slot(load_model(TINY, dtype=torch.float32).config, torch.float32)
+    base = ["run", TINY, "--prompt-ids", "5,6,7", "--max-new-tokens", 1, "--json", *POOL]
+    result = invoke(*base, "--prefix-cache", "--prefix-cache-interval", INTERVAL)
+    assert result.exit_code == 0, result.output
+    # --max-slots 2 and 64 blocks of 8 (32 intervals of 16): 2 rows
+    def notices(result):  # the tiny model's tokenizer warning goes to stderr too
+        return [line for line in result.stderr.splitlines() if line.startswith("k3-trt: prefix cache")]
+
+    assert notices(result) == [
+        f"k3-trt: prefix cache: 2 KDA state snapshot rows ({2 * row / 2**20:.1f} MiB per rank) beside "
+        f"--num-blocks 64 / --max-slots 2 (one per state slot, at most one per --prefix-cache-interval 16 of the "
+        f"blocks); --prefix-cache-snapshots N sets them, --no-prefix-cache drops them"]
+    block = json.loads(result.stdout)["totals"]["prefix_cache"]
+    assert block["snapshot_slots"] == 2 and block["snapshot_bytes"] == 2 * row
+    # rows the user sized (the flag, or a budget) or none at all: nothing to say
+    for flags in (CACHE, ["--no-prefix-cache"], ["--prefix-cache", "--cache-memory-gb", "0.01"]):
+        result = invoke(*base, *flags)
+        assert result.exit_code == 0 and notices(result) == [], result.output
+    assert json.loads(invoke(*base, *CACHE).stdout)["totals"]["prefix_cache"]["snapshot_bytes"] == 8 * row
+    # --quiet: nothing but the JSON's field says it
+    quiet = invoke(*base, "--quiet", "--prefix-cache", "--prefix-cache-interval", INTERVAL)
+    assert quiet.exit_code == 0 and notices(quiet) == []
+    assert json.loads(quiet.stdout)["totals"]["prefix_cache"]["snapshot_bytes"] == 2 * row
 
 
 def run_json(prompts: list[list[int]], *flags) -> dict:
@@ -174,6 +205,26 @@ def test_engine_dir_takes_the_prefix_cache_with_the_tokens_of_no_prefix_cache(en
     assert [o["cached_tokens"] for o in on] == [0, expected_cached(prompts[1], prompts[:1])] == [0, 32]
 
 
+def test_world2_engine_dir_hits_with_the_tokens_of_no_prefix_cache(tmp_path):
+    # tp2/ep2 over gloo: each rank's KDA segment writes its own heads' snapshots into its own pools
+    convert_checkpoint(TINY, tmp_path / "ckpt", 2, 2, progress=False)
+    build = invoke("build", tmp_path / "ckpt", tmp_path / "engine", "--layout", "segments", "--builder", "none",
+                   "--quiet", "--dtype", "float32", "--max-batch-size", "2", "--max-seq-len", "96", "--block-size",
+                   BLOCK, "--max-num-tokens", "64")
+    assert build.exit_code == 0, build.output
+    prompts = prompts_with_shared_prefix(40, [5, 9], seed=4)
+    args = [a for p in prompts for a in ("--prompt-ids", ids_arg(p))]
+    runs = {}
+    for flags in (CACHE, ["--no-prefix-cache"]):
+        result = invoke("run", tmp_path / "engine", *args, "--device", "cpu", "--max-new-tokens", 4, "--json",
+                        "--quiet", "--max-batch-size", 1, "--num-blocks", 24, "--max-slots", 2, *flags)
+        assert result.exit_code == 0, result.output
+        runs[flags[0]] = json.loads(result.stdout)["outputs"]
+    on, off = runs["--prefix-cache"], runs["--no-prefix-cache"]
+    assert [o["output_ids"] for o in on] == [o["output_ids"] for o in off]
+    assert [o["cached_tokens"] for o in on] == [0, expected_cached(prompts[1], prompts[:1])] == [0, 32]
+
+
 def test_engine_dir_flags_are_checked_against_its_own_block_size(engine_dir, tmp_path):
     for command, where in (("run", ["--prompt-ids", "5,6", "--device", "cpu"]), ("triton-repo", [tmp_path / "r"])):
         result = invoke(command, engine_dir, *where, "--prefix-cache", "--prefix-cache-interval", 12)
@@ -185,12 +236,27 @@ def test_engine_dir_flags_are_checked_against_its_own_block_size(engine_dir, tmp
     pbtxt = (tmp_path / "ok" / "k3" / "config.pbtxt").read_text()
     assert 'key: "prefix_cache" value: { string_value: "True" }' in pbtxt
     assert 'key: "prefix_cache_interval" value: { string_value: "16" }' in pbtxt
-    # an engine dir takes the cache only when asked for (its plugins write no snapshots mid-prefill, so a
-    # default-on cache would cut every prefill): by default, as with --no-prefix-cache, nothing is written
-    for name, flags in (("default", []), ("off", ["--no-prefix-cache"])):
-        result = invoke("triton-repo", engine_dir, tmp_path / name, *flags)
+    # the engine's KDA plugins write the snapshots mid-prefill: the cache is on by default, as for a
+    # checkpoint; an engine dir built before they did takes it only when asked for (a default-on cache
+    # would cut its every prefill at the snapshot positions)
+    from test_prefix_cache import pre_snapshot_engine_dir
+
+    old = pre_snapshot_engine_dir(engine_dir, tmp_path / "old-engine")
+    for name, where, flags, on in (("default", engine_dir, [], True), ("off", engine_dir, ["--no-prefix-cache"], False),
+                                   ("old", old, [], False), ("old-asked", old, ["--prefix-cache"], True)):
+        result = invoke("triton-repo", where, tmp_path / name, *flags)
         assert result.exit_code == 0, result.output
-        assert "prefix_cache" not in (tmp_path / name / "k3" / "config.pbtxt").read_text()
+        pbtxt = (tmp_path / name / "k3" / "config.pbtxt").read_text()
+        assert ('key: "prefix_cache" value: { string_value: "True" }' in pbtxt) is on, name
+        assert on or "prefix_cache" not in pbtxt
+
+
+def test_engine_dir_snapshot_rows_are_bounded_by_its_blocks(engine_dir):
+    # 2 sequences of 96 tokens in blocks of 8: 24 blocks, so at most 24 snapshot rows are ever usable
+    result = invoke("run", engine_dir, "--prompt-ids", "5,6", "--device", "cpu", "--prefix-cache-snapshots", 25)
+    assert result.exit_code == 1 and result.output.strip().splitlines() == [
+        f"Error: cannot run {engine_dir}: --prefix-cache-snapshots 25: the engine binds at most 24 snapshot rows "
+        "(its max_num_blocks: a held snapshot needs a cached block of its own)"], result.output
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,7 @@ def bench(model_dir, num_requests, arrival_rate, prompt_len, output_len, shared_
     from k3_trtllm.runtime.distributed import step_broadcast_cost
     from k3_trtllm.runtime.testing.workload import FIRST_TEXT_ID, make_workload, run_workload
 
-    engine = build_engine_from_options(model_dir, **engine_kwargs)
+    engine = build_engine_from_options(model_dir, notices=not quiet, **engine_kwargs)
     try:
         with rank_failures():
             limit = engine.config.max_seq_len

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import click
@@ -79,7 +80,8 @@ def engine_options(fn):
                           "caching]."),
         click.option("--prefix-cache-snapshots", "snapshot_slots", type=click.IntRange(min=1), default=None,
                      help="With --prefix-cache: KDA state snapshots kept, out of the cache budget [default: a "
-                          "share of --cache-memory-gb, or --max-slots when both pool counts are given; README: "
+                          "share of --cache-memory-gb; with both pool counts and no budget one per --max-slots "
+                          "slot, at most one per interval of the --num-blocks blocks, stated on stderr; README: "
                           "Prefix caching]."),
         click.option("--batch-invariant", is_flag=True,
                      help="On CUDA: a request's output does not depend on what else is in the batch (fixed "
@@ -117,8 +119,9 @@ def engine_dir_settings(model_dir: str, options: dict) -> dict:
     the user gave, the rest None, so that the engine's own limits and dtype apply; given ones
     must fit it. ``--tp/--ep`` (the engine fixes its mapping) and ``--batch-invariant`` (the
     segments do not run the torch overrides it installs) are refused. ``--prefix-cache`` is
-    no engine limit: on when asked for (not by default: see below) it is passed, off it is left out (the engine's
-    own default is off)."""
+    no engine limit: on (by default, as for a checkpoint, when the engine's KDA plugins write the
+    snapshots; only when asked for in an engine dir built before they did) it is passed, off it is
+    left out (the engine's own default is off)."""
     ctx = click.get_current_context()
     explicit = {k: (v if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT else None)
                 for k, v in options.items()}
@@ -128,10 +131,13 @@ def engine_dir_settings(model_dir: str, options: dict) -> dict:
         raise click.ClickException(f"--batch-invariant: not available for engine dirs ({model_dir}); "
                                    "run the checkpoint it was built from")
     if "prefix_cache" in options:
-        # an engine dir's plugins take no snapshot points, so with the cache on every prefill would end
-        # at each snapshot position: there it is on only when asked for (the flag or a value flag)
-        asked = explicit["prefix_cache"] is not None or any(explicit.get(k) is not None
-                                                            for k in PREFIX_CACHE_VALUE_FLAGS)
+        from k3_trtllm.trt.segment_layout import engine_dir_writes_snapshots
+
+        # an engine dir whose KDA plugins take no snapshot points (built before they did) would end every
+        # prefill at each snapshot position with the cache on: there it is on only when asked for (the
+        # flag or a value flag)
+        asked = engine_dir_writes_snapshots(model_dir) or explicit["prefix_cache"] is not None or any(
+            explicit.get(k) is not None for k in PREFIX_CACHE_VALUE_FLAGS)
         explicit["prefix_cache"] = True if asked and options["prefix_cache"] else None
     return explicit
 
@@ -206,7 +212,9 @@ def build_engine_from_options(model_dir: str, *, dtype: str, device: str | None,
                               checkpoint: str | None = None, plugin_lib: str | None = None,
                               batch_invariant: bool = False, prefix_cache: bool = PREFIX_CACHE_DEFAULT,
                               prefix_cache_interval: int | None = None, snapshot_slots: int | None = None,
-                              kv_cache_dtype: str = "auto"):
+                              kv_cache_dtype: str = "auto", notices: bool = True):
+    """The engine of ``model_dir`` (checkpoint or engine dir) from the engine options; ``notices``:
+    say on stderr what the flags left for the engine to choose that costs memory (``--quiet``: no)."""
     import torch
 
     from k3_trtllm.runtime.distributed import RankFailure
@@ -216,6 +224,8 @@ def build_engine_from_options(model_dir: str, *, dtype: str, device: str | None,
 
     device = resolve_device(device)
     set_torch_threads(threads)
+    notice = partial(_snapshot_notice, notices, num_blocks=num_blocks, max_slots=max_slots,
+                     cache_memory_gb=cache_memory_gb, snapshot_slots=snapshot_slots)
     if is_segmented_engine_dir(model_dir):
         from k3_trtllm.trt.segment_layout import engine_limits
 
@@ -234,6 +244,7 @@ def build_engine_from_options(model_dir: str, *, dtype: str, device: str | None,
         if engine is None:  # a torchrun rank other than 0: it served rank 0's steps
             raise click.exceptions.Exit(0)
         click.get_current_context().call_on_close(engine.close)
+        notice(engine)
         return engine
     if checkpoint is not None or plugin_lib is not None:
         raise click.ClickException("--checkpoint/--plugin-lib go with an engine dir from `k3-trt build`")
@@ -258,7 +269,16 @@ def build_engine_from_options(model_dir: str, *, dtype: str, device: str | None,
     if engine is None:  # a torchrun rank other than 0: it served rank 0's steps; rank 0 prints
         raise click.exceptions.Exit(0)
     click.get_current_context().call_on_close(engine.close)  # world size > 1: stop the other ranks
+    notice(engine)
     return engine
+
+
+def _snapshot_notice(notices: bool, engine, **given) -> None:
+    from k3_trtllm.runtime.engine import snapshot_rows_notice
+
+    line = snapshot_rows_notice(engine, **given) if notices else None
+    if line:
+        click.echo(line, err=True)
 
 
 @contextlib.contextmanager
@@ -378,7 +398,7 @@ def run(model_dir, prompts, prompt_ids, prompts_file, max_new_tokens, temperatur
     except (TypeError, ValueError) as e:
         raise click.ClickException(f"bad sampling parameters: {e}") from e
 
-    engine = build_engine_from_options(model_dir, seed=seed, **engine_kwargs)
+    engine = build_engine_from_options(model_dir, seed=seed, notices=not quiet, **engine_kwargs)
     tokenizer_kind = getattr(engine.tokenizer, "kind", None)
     if tokenizer_kind == "byte-fallback":
         from k3_trtllm.runtime.tokenizer import tokenizer_fallback_reason

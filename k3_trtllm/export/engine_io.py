@@ -16,6 +16,9 @@ from ..model.step import StepInputs
 # Dims named here are dynamic in the graph and get a range in every optimisation profile.
 TOKENS, SEQS, SEQS_PLUS_1, LOGITS, MAX_BLOCKS, NUM_BLOCKS, MAX_SLOTS = (
     "num_tokens", "num_seqs", "num_seqs+1", "num_logits", "max_blocks", "num_blocks", "max_slots")
+# the prefix cache's KDA snapshots (contract KDA_PREFILL's N and Ns): points per sequence in a
+# step, and rows of the snapshot pools
+SNAPSHOT_POINTS, SNAPSHOT_SLOTS = "snapshot_points", "snapshot_slots"
 
 
 @dataclass(frozen=True)
@@ -23,7 +26,9 @@ class TensorIO:
     name: str
     dtype: torch.dtype
     shape: tuple[int | str, ...]  # ints are fixed by the config, strings are dynamic dims
-    pool: str = ""  # "latent" | "conv" | "recurrent" for cache pools, "" for step tensors
+    # "latent" | "conv" | "recurrent" | "snapshot_conv" | "snapshot_recurrent" for cache pools (the
+    # K3Caches field), "" for step tensors
+    pool: str = ""
     layer: int = -1
 
     def to_json(self) -> dict:
@@ -60,7 +65,9 @@ def latent_pool_type(cfg: K3Config, act: torch.dtype, kv_cache_dtype: str = "aut
 
 
 def cache_pools(cfg: K3Config, act: torch.dtype, block_size: int, kv_cache_dtype: str = "auto") -> tuple[TensorIO, ...]:
-    """Pools in layer order; within a KDA layer conv before recurrent."""
+    """Pools in layer order; within a KDA layer conv before recurrent, then the prefix cache's
+    snapshot pools of the same shapes (graph inputs, so that the graph allocates none per call;
+    the step graph takes no snapshot points, so it never writes them)."""
     pools = []
     for layer in sorted(cfg.mla_layer_indices + cfg.kda_layer_indices):
         if layer in cfg.mla_layer_indices:
@@ -68,10 +75,13 @@ def cache_pools(cfg: K3Config, act: torch.dtype, block_size: int, kv_cache_dtype
             pools.append(TensorIO(f"latent_cache_{layer}", dtype, (NUM_BLOCKS, block_size, width), "latent", layer))
         else:
             k = cfg.kda
-            pools.append(TensorIO(f"conv_state_{layer}", pool_dtype("conv", act),
-                                  (MAX_SLOTS, 3 * k.proj_dim, k.conv_kernel_size - 1), "conv", layer))
-            pools.append(TensorIO(f"recurrent_state_{layer}", pool_dtype("recurrent", act),
-                                  (MAX_SLOTS, k.num_heads, k.head_dim, k.head_dim), "recurrent", layer))
+            conv, rec = (3 * k.proj_dim, k.conv_kernel_size - 1), (k.num_heads, k.head_dim, k.head_dim)
+            for name, pool, rows, shape in (("conv_state", "conv", MAX_SLOTS, conv),
+                                            ("recurrent_state", "recurrent", MAX_SLOTS, rec),
+                                            ("snapshot_conv", "snapshot_conv", SNAPSHOT_SLOTS, conv),
+                                            ("snapshot_recurrent", "snapshot_recurrent", SNAPSHOT_SLOTS, rec)):
+                dtype = pool_dtype(pool.removeprefix("snapshot_"), act)
+                pools.append(TensorIO(f"{name}_{layer}", dtype, (rows, *shape), pool, layer))
     return tuple(pools)
 
 
@@ -88,7 +98,7 @@ def engine_outputs(cfg: K3Config, act: torch.dtype, block_size: int,
 
 
 def pool_tensor(caches: K3Caches, pool: TensorIO) -> torch.Tensor:
-    return {"latent": caches.latent, "conv": caches.conv, "recurrent": caches.recurrent}[pool.pool][pool.layer]
+    return getattr(caches, pool.pool)[pool.layer]
 
 
 def flatten_step(step: StepInputs) -> list[torch.Tensor]:

@@ -20,8 +20,8 @@ from torch.export import Dim
 from ..model.step import build_step
 from ..model.caches import is_fp8_cache
 from ..ops.contract import ALL_CONTRACTS, KDA_PREFILL, MLA_PREFILL, MLA_PREFILL_FP8, SITU_MOE, SITU_MOE_MXFP4
-from .engine_io import (LOGITS, MAX_BLOCKS, MAX_SLOTS, NUM_BLOCKS, SEQS, SEQS_PLUS_1, TOKENS, TensorIO,
-                        engine_inputs, engine_outputs, flatten_step, pool_tensor)
+from .engine_io import (LOGITS, MAX_BLOCKS, MAX_SLOTS, NUM_BLOCKS, SEQS, SEQS_PLUS_1, SNAPSHOT_SLOTS, TOKENS,
+                        TensorIO, engine_inputs, engine_outputs, flatten_step, pool_tensor)
 from .schemas import BYTES_CONTRACT_DTYPE, BYTES_ONNX_TYPE, DOMAIN, DOMAIN_VERSION, register_schemas
 from .step_graph import StepGraph
 from .translations import translation_table
@@ -45,11 +45,12 @@ def graph_plugins(cfg, kv_cache_dtype: str = "auto", act: torch.dtype = torch.bf
 def _sample_inputs(model, block_size: int, kv_cache_dtype: str) -> list[torch.Tensor]:
     """A step whose dynamic sizes all differ from each other and from 0/1 (torch.export
     would otherwise specialise or unify them): 3 sequences, 7 tokens, 2 logits rows,
-    tables of 5 blocks, 11 pool blocks, 6 state slots."""
+    tables of 5 blocks, 11 pool blocks, 6 state slots, 10 snapshot rows."""
     seqs = [([1, 1, 1], 0, 0, [0, 1, 2, 3, 4]), ([1, 1], 4, 1, [5, 6]), ([1, 1], 0, 2, [7])]
     step = build_step(seqs, block_size)
     step.logits_indices = step.logits_indices[1:]
     caches = model.allocate_caches(num_blocks=11, block_size=block_size, max_slots=6, kv_cache_dtype=kv_cache_dtype)
+    caches.allocate_snapshots(10)
     pools = [t for t in engine_inputs(model.config, model.dtype, block_size, kv_cache_dtype) if t.pool]
     return flatten_step(step) + [pool_tensor(caches, p) for p in pools]
 
@@ -57,7 +58,7 @@ def _sample_inputs(model, block_size: int, kv_cache_dtype: str) -> list[torch.Te
 def _dynamic_shapes(inputs: tuple[TensorIO, ...]):
     dims = {TOKENS: Dim("num_tokens", min=1), SEQS: Dim("num_seqs", min=1), LOGITS: Dim("num_logits", min=1),
             MAX_BLOCKS: Dim("max_blocks", min=1), NUM_BLOCKS: Dim("num_blocks", min=1),
-            MAX_SLOTS: Dim("max_slots", min=1)}
+            MAX_SLOTS: Dim("max_slots", min=1), SNAPSHOT_SLOTS: Dim("snapshot_slots", min=1)}
     dims[SEQS_PLUS_1] = dims[SEQS] + 1
     return tuple({axis: dims[d] for axis, d in enumerate(t.shape) if isinstance(d, str)} for t in inputs)
 

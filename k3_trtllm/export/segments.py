@@ -52,8 +52,8 @@ from ..ops import contract as C
 from ..ops.common import compute_dtype, rms_norm
 from ..ops.moe.naive import SCORING
 from ..ops.registry import call
-from .engine_io import (LOGITS, MAX_BLOCKS, MAX_SLOTS, NUM_BLOCKS, SEQS, SEQS_PLUS_1, TOKENS, latent_pool_type,
-                        pool_dtype)
+from .engine_io import (LOGITS, MAX_BLOCKS, MAX_SLOTS, NUM_BLOCKS, SEQS, SEQS_PLUS_1, SNAPSHOT_POINTS, SNAPSHOT_SLOTS,
+                        TOKENS, latent_pool_type, pool_dtype)
 from .exporter import OPSET, _retype_byte_graph_io, _strip_metadata
 from .schemas import DOMAIN, DOMAIN_VERSION, register_schemas
 from .translations import translation_table
@@ -67,7 +67,7 @@ DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
 # Sample sizes of the dynamic dims while tracing: all different from each other and from
 # 0/1, which torch.export would specialise or unify (see exporter._sample_inputs).
 _SAMPLE = {TOKENS: 7, SEQS: 3, SEQS_PLUS_1: 4, LOGITS: 2, MAX_BLOCKS: 5, NUM_BLOCKS: 11, MAX_SLOTS: 6,
-           ATTN_BLOCKS: 9}
+           ATTN_BLOCKS: 9, SNAPSHOT_POINTS: 8, SNAPSHOT_SLOTS: 10}
 
 
 class SegmentError(ValueError):
@@ -214,7 +214,8 @@ class AttentionSegment(_Mixed):
         step = StepInputs(**fields)
         i = self.attention.layer
         if self.kda:
-            caches = K3Caches({}, {i: a["conv_state"]}, {i: a["recurrent_state"]}, 0)
+            caches = K3Caches({}, {i: a["conv_state"]}, {i: a["recurrent_state"]}, 0,
+                              {i: a["snapshot_conv"]}, {i: a["snapshot_recurrent"]})
         else:
             caches = K3Caches({i: a["latent_cache"]}, {}, {}, a["latent_cache"].shape[1])
         weights = {n.removeprefix("attention."): t for n, t in a.items() if n.startswith("attention.")}
@@ -434,12 +435,17 @@ class SegmentPlan:
         cfg, act = self.cfg, self.act
         k, heads = cfg.kda, layer.attention.num_heads
         i32 = torch.int32
-        pools = [self._io("conv_state", pool_dtype("conv", act), (MAX_SLOTS, 3 * heads * k.head_dim,
-                                                                k.conv_kernel_size - 1), "pool"),
-                 self._io("recurrent_state", pool_dtype("recurrent", act), (MAX_SLOTS, heads, k.head_dim, k.head_dim),
-                          "pool")]
+        conv, rec = (3 * heads * k.head_dim, k.conv_kernel_size - 1), (heads, k.head_dim, k.head_dim)
+        # the prefix cache's snapshot pools and points (contract KDA_PREFILL): the plugin writes the
+        # snapshots mid-prefill, as the torch executor's op does; a step taking none binds -1 points
+        pools = [self._io("conv_state", pool_dtype("conv", act), (MAX_SLOTS, *conv), "pool"),
+                 self._io("recurrent_state", pool_dtype("recurrent", act), (MAX_SLOTS, *rec), "pool"),
+                 self._io("snapshot_conv", pool_dtype("conv", act), (SNAPSHOT_SLOTS, *conv), "pool"),
+                 self._io("snapshot_recurrent", pool_dtype("recurrent", act), (SNAPSHOT_SLOTS, *rec), "pool")]
         step = [self._io(n, i32, s, "step") for n, s in (("cu_seqlens", (SEQS_PLUS_1,)), ("state_slots", (SEQS,)),
-                                                         ("has_initial_state", (SEQS,)))]
+                                                         ("has_initial_state", (SEQS,)),
+                                                         ("snapshot_offsets", (SEQS, SNAPSHOT_POINTS)),
+                                                         ("snapshot_rows", (SEQS, SNAPSHOT_POINTS)))]
         inputs = self._layer_inputs(layer, "attn_res.attention_query", "input_layernorm.weight", "attention")
         self._add_attention("kda_attention", layer, inputs + step + pools, pools)
 
@@ -517,7 +523,8 @@ class SegmentPlan:
 def _dims(spec: SegmentSpec) -> dict[str, Dim]:
     dims = {TOKENS: Dim(TOKENS, min=1), SEQS: Dim(SEQS, min=1), LOGITS: Dim(LOGITS, min=1),
             MAX_BLOCKS: Dim(MAX_BLOCKS, min=1), NUM_BLOCKS: Dim(NUM_BLOCKS, min=1), MAX_SLOTS: Dim(MAX_SLOTS, min=1),
-            ATTN_BLOCKS: Dim(ATTN_BLOCKS, min=0)}
+            ATTN_BLOCKS: Dim(ATTN_BLOCKS, min=0), SNAPSHOT_POINTS: Dim(SNAPSHOT_POINTS, min=1),
+            SNAPSHOT_SLOTS: Dim(SNAPSHOT_SLOTS, min=1)}
     dims[SEQS_PLUS_1] = dims[SEQS] + 1
     return dims
 

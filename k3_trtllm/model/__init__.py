@@ -17,17 +17,18 @@ from ..ops.cuda_library import register_cuda_kernels
 from ..ops.common import compute_dtype
 from .caches import K3Caches
 from .k3 import K3ForCausalLM
+from .layers import prepare_weights_
 from .parallel import Parallel
 from .step import StepInputs, build_step
 
 __all__ = ["K3ForCausalLM", "K3Caches", "Parallel", "StepInputs", "build_step", "load_model",
-           "model_from_state_dict"]
+           "model_from_state_dict", "prepare_weights_"]
 
 
 def model_from_state_dict(cfg, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16,
                           device: torch.device | str = "cpu", parallel: Parallel = Parallel()) -> K3ForCausalLM:
     """Build the model (one rank of it under ``parallel``) and load ``state`` strictly (every
-    buffer assigned exactly once).
+    buffer assigned exactly once), then lay the weights out for the kernels (``prepare_weights_``).
     Non-bf16 ``dtype`` (fp32, fp64) upcasts the bf16 weights and the fp32 ones follow the
     compute dtype, so exactness tests can run the whole model in high precision."""
     with torch.device("meta"):
@@ -53,7 +54,7 @@ def model_from_state_dict(cfg, state: dict[str, torch.Tensor], dtype: torch.dtyp
                     setattr(module, name, buf.to(dtype))
                 elif buf.dtype == torch.float32:
                     setattr(module, name, buf.to(compute_dtype(dtype)))
-    return model.eval()
+    return prepare_weights_(model).eval()
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.bfloat16,

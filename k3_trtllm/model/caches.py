@@ -106,6 +106,24 @@ class K3Caches:
                                  f"({slots} slots, {snaps} snapshots)")
         if len({dst for _, dst in copies}) != len(copies):
             raise ValueError(f"state copies {copies} write one row twice")
+
+        def row(pools: tuple[torch.Tensor, torch.Tensor | None], r: int) -> torch.Tensor:
+            return pools[1][r - slots] if r >= slots else pools[0][r]
+
+        if not {src for src, _ in copies} & {dst for _, dst in copies}:
+            # no row is both read and written (the prefix cache's restores, snapshot -> slot, and its
+            # copies after a step, slot -> snapshot): row views copied directly, every layer in one fused
+            # launch per pool kind on CUDA (one dtype per list: the fast path); no index tensors to
+            # stage, no gathered temporaries
+            for running, snapshot in ((self.conv, self.snapshot_conv), (self.recurrent, self.snapshot_recurrent)):
+                dsts, srcs = [], []
+                for i in running:
+                    pools = (running[i], snapshot.get(i))
+                    for src, dst in copies:
+                        dsts.append(row(pools, dst))
+                        srcs.append(row(pools, src))
+                torch._foreach_copy_(dsts, srcs)
+            return
         device = self.conv[first].device
         # one index_select / index_copy_ per (source pool, destination pool) and tensor,
         # not one per copy: K3 has dozens of KDA layers

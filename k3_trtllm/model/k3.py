@@ -106,7 +106,10 @@ class K3ForCausalLM(nn.Module):
         cfg, tr = self.config, self.transformer
         if cfg.kda is not None:
             step = with_snapshot_tensors(step)
-        x = embed(step.input_ids.long(), tr.vocab_embedding.weight, self.parallel)
+        # int32 ids index the embedding as they are (one cast launch per step fewer); the exported
+        # graph keeps its int64 Gather indices
+        ids = step.input_ids.long() if torch.compiler.is_exporting() else step.input_ids
+        x = embed(ids, tr.vocab_embedding.weight, self.parallel)
         if cfg.attn_res_block_size:
             y = self._attn_res_stream(x, step, caches, decode)
         else:
@@ -119,7 +122,9 @@ class K3ForCausalLM(nn.Module):
         sub-layer input is a softmax mixture of the visible snapshots and P, fed in fp32
         into that sub-layer's RMSNorm (vLLM's fused convention, §7.11). A sub-layer's output
         joins P in the next mix (``pending``), so on CUDA the residual add, the mix and the norm
-        are one kernel (``ops/norm``). Returns the final norm of the logits rows."""
+        are one kernel (``ops/norm``). After a block write the partial sum restarts at the attention's
+        output itself (P = 0 + a = a: no zero tensor is filled and added, one launch per block fewer;
+        only a -0 in a, which 0 + a made +0, keeps its sign). Returns the final norm of the logits rows."""
         eps = self.config.rms_norm_eps
         partial, pending, blocks = x, None, []
         for layer in self.transformer.layers:
@@ -133,10 +138,11 @@ class K3ForCausalLM(nn.Module):
                 h = norm.rms_norm(partial, layer.input_layernorm.weight, eps)
             if plan.block_write:
                 blocks.append(partial)
-                partial = torch.zeros_like(partial)
             a = layer.attention(h, step, caches, decode)
-            m, partial = norm.attn_res_mix_norm(blocks[: plan.mlp_sources] + [partial], a, layer.attn_res.mlp_query,
-                                                eps, layer.post_layernorm.weight, eps)
+            # after a block write P is a alone: the mix takes it as its last source, with no residual
+            last, residual = (a, None) if plan.block_write else (partial, a)
+            m, partial = norm.attn_res_mix_norm(blocks[: plan.mlp_sources] + [last], residual,
+                                                layer.attn_res.mlp_query, eps, layer.post_layernorm.weight, eps)
             pending = layer.mlp(m, terms=True)  # the next mix adds the terms (MoE: routed + shared)
         return norm.attn_res_final_norm(blocks + [partial], pending, self.transformer.attn_res_out.query, eps,
                                         step.logits_indices, self.transformer.ln_f.weight, eps)
@@ -148,4 +154,7 @@ class K3ForCausalLM(nn.Module):
         for layer in self.transformer.layers:
             s = x + layer.attention(norm.rms_norm(x, layer.input_layernorm.weight, eps), step, caches, decode)
             x = s + layer.mlp(norm.rms_norm(s, layer.post_layernorm.weight, eps))
-        return norm.rms_norm(x[step.logits_indices.long()], self.transformer.ln_f.weight, eps)
+        # int32 rows index as they are (no cast launch); the exported graph keeps its int64 indices
+        index = step.logits_indices
+        rows = x[index.long()] if torch.compiler.is_exporting() else x.index_select(0, index)
+        return norm.rms_norm(rows, self.transformer.ln_f.weight, eps)

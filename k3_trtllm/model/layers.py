@@ -26,6 +26,10 @@ from .step import StepInputs, with_snapshot_tensors
 
 # vLLM hard-codes the KDA output-norm eps (spec §4.5.8); it equals K3's rms_norm_eps.
 KDA_O_NORM_EPS = 1e-5
+# KdaAttention.pad_in_proj_: rows of the fused KDA projection padded to a multiple of this, so
+# its bf16 output rows are whole 16-byte vectors, as cuBLAS's aligned kernels need. (Multiples
+# of 64 or 128 rows measured no faster: 6336 / 6400 rows 478 / 462 us vs 449 at 6288.)
+IN_PROJ_ROW_MULTIPLE = 8
 
 
 class Weights(nn.Module):
@@ -50,6 +54,7 @@ class KdaAttention(nn.Module):
         self.layer, self.k, self.par, self.num_heads = layer, k, par, H
         self.split = (3 * P, P, Dk, H)  # in_proj rows: q|k|v, output gate, f_a (replicated), beta
         self.in_proj = Weights(weight=_w((sum(self.split), d)))
+        self._in_proj_store: torch.Tensor | None = None  # pad_in_proj_: the padded rows behind the buffer
         self.conv1d = Weights(weight=_w((3 * P, k.conv_kernel_size), torch.float32))
         self.f_b = Weights(weight=_w((P, Dk)))
         self.o_norm = Weights(weight=_w((Dk,)))
@@ -57,8 +62,40 @@ class KdaAttention(nn.Module):
         self.register_buffer("A_log", torch.empty(H, dtype=torch.float32))
         self.register_buffer("dt_bias", torch.empty(P, dtype=torch.float32))
 
+    def pad_in_proj_(self) -> None:
+        """Keeps ``in_proj``'s rows in a tensor of ``IN_PROJ_ROW_MULTIPLE``-row padding (zeros) and
+        makes the buffer the view of its first rows, so the buffer is still the checkpoint's
+        ``[rows, d]`` tensor (state_dict, exports, byte counts) while ``forward`` multiplies by the
+        padded rows. Why: at K3's TP8 dims the rows are 3P + P + Dk + H = 6284, so the product's
+        bf16 output rows are 12568 bytes, not a multiple of 16: cuBLAS then takes a 2-element-
+        aligned sm80 kernel for it and for ``f_b``, whose input is a column slice of it (H200,
+        L2 flushed, in_proj + f_b: 4096 tokens 1469 -> 460 us at 6288 rows, 1024: 419 -> 126,
+        32: 54 -> 39, 8: 53 -> 38). Padded output columns are never read; every column the
+        split keeps is the same dot product as without the pad (bitwise on CPU; cuBLAS may pick
+        another kernel, hence another summation order, for the wider GEMM)."""
+        w = self.in_proj.weight
+        rows = w.shape[0]
+        padded = -(-rows // IN_PROJ_ROW_MULTIPLE) * IN_PROJ_ROW_MULTIPLE
+        if padded == rows or w.device.type == "meta" or w.dim() != 2:
+            return
+        store = w.new_zeros(padded, w.shape[1])
+        store[:rows].copy_(w)
+        self.in_proj.weight = store[:rows]
+        self._in_proj_store = store
+
+    def _in_proj_weight(self) -> torch.Tensor:
+        """The padded rows while the buffer is still their view (a model moved or cast since
+        ``pad_in_proj_`` has new tensors: then the buffer itself); the buffer under export."""
+        w, store = self.in_proj.weight, self._in_proj_store
+        if (store is None or torch.compiler.is_exporting() or w.device != store.device
+                or w.data_ptr() != store.data_ptr() or w.dtype != store.dtype):
+            return w
+        return store
+
     def forward(self, x: torch.Tensor, step: StepInputs, caches: K3Caches, decode: bool) -> torch.Tensor:
-        qkv, out_gate, f_a, beta = linear(x, self.in_proj.weight).split(self.split, -1)
+        w = self._in_proj_weight()
+        pad = (w.shape[0] - sum(self.split),) if w.shape[0] > sum(self.split) else ()
+        qkv, out_gate, f_a, beta = linear(x, w).split((*self.split, *pad), -1)[:4]
         gate = linear(f_a, self.f_b.weight)
         op = C.KDA_DECODE if decode else C.KDA_PREFILL
         o = call(op, qkv.contiguous(), gate, beta.contiguous(), self.conv1d.weight, self.A_log, self.dt_bias,
@@ -72,15 +109,17 @@ class KdaAttention(nn.Module):
 
     def _snapshots(self, step: StepInputs, caches: K3Caches) -> tuple[torch.Tensor, ...]:
         """The op's snapshot inputs: the step's points and this layer's snapshot pools. A step
-        that takes none (decode, no prefix cache, exported graphs) passes -1 points, and pools
-        without a snapshot pool bound (exports) a one-row stand-in that is never written."""
-        step = with_snapshot_tensors(step)  # K3ForCausalLM did it already; exported segments did not
-        conv, rec = caches.snapshot_conv.get(self.layer), caches.snapshot_recurrent.get(self.layer)
-        if conv is None:
-            state_conv, state_rec = caches.conv[self.layer], caches.recurrent[self.layer]
-            conv = state_conv.new_zeros((1, *state_conv.shape[1:]))
-            rec = state_rec.new_zeros((1, *state_rec.shape[1:]))
-        return step.snapshot_offsets, step.snapshot_rows, conv, rec
+        that takes none (decode, no prefix cache) passes -1 points. The executors and the
+        exported graphs bind snapshot pools (0 rows without the cache, or graph inputs); caches
+        built without them get, once, a one-row stand-in that no point writes, kept in
+        ``caches`` so that later steps reuse it instead of zero-filling a new one each call."""
+        step = with_snapshot_tensors(step)  # K3ForCausalLM did it already; a bare segment call did not
+        if self.layer not in caches.snapshot_conv:
+            conv, rec = caches.conv[self.layer], caches.recurrent[self.layer]
+            caches.snapshot_conv[self.layer] = conv.new_zeros((1, *conv.shape[1:]))
+            caches.snapshot_recurrent[self.layer] = rec.new_zeros((1, *rec.shape[1:]))
+        return (step.snapshot_offsets, step.snapshot_rows, caches.snapshot_conv[self.layer],
+                caches.snapshot_recurrent[self.layer])
 
 
 def rotate_interleaved(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -223,3 +262,13 @@ class LatentMoE(nn.Module):
             return (r,) if terms else r
         shared = self.shared_experts(x)
         return (r, shared) if terms else r + shared
+
+
+def prepare_weights_(model: nn.Module) -> nn.Module:
+    """The one-time layout work after the weights are in place (loaded, or filled on the device
+    by a benchmark): every KDA ``in_proj`` padded (``KdaAttention.pad_in_proj_``). The state_dict
+    is unchanged; returns ``model``."""
+    for module in model.modules():
+        if isinstance(module, KdaAttention):
+            module.pad_in_proj_()
+    return model

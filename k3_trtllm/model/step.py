@@ -11,6 +11,7 @@ would be a device sync.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -41,16 +42,99 @@ class StepInputs:
         return int(self.cu_seqlens.shape[0]) - 1
 
     def to(self, device: torch.device | str) -> "StepInputs":
+        """The step on ``device``. A host step bound for a CUDA device travels as one copy (see
+        ``_to_cuda_packed``); anything else field by field."""
+        device = torch.device(device)
+        present = [(f.name, t) for f in fields(self) if (t := getattr(self, f.name)) is not None]
+        if (device.type == "cuda" and all(type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype == torch.int32
+                                          for _, t in present) and not torch.cuda.is_current_stream_capturing()):
+            return _to_cuda_packed(present, device)
         return StepInputs(**{f.name: t if (t := getattr(self, f.name)) is None else t.to(device) for f in fields(self)})
 
 
+_ALIGN = 4  # int32 elements in 16 bytes
+
+
+class _Staging:
+    """The pinned host buffer of one device that steps are packed into, reused from step to step
+    (allocating pinned memory per step cost about a millisecond on the H200's host: more than the
+    per-field copies it replaces); ``copied`` marks when the last copy out of it has been read."""
+
+    def __init__(self):
+        self.lock = threading.Lock()  # the serve engine loop and a caller's thread may both move steps
+        self.host: torch.Tensor | None = None
+        self.array = None  # numpy view of host
+        self.copied = torch.cuda.Event()
+        self.pending = False
+
+
+_STAGING: dict[int, _Staging] = {}
+
+
+def _to_cuda_packed(present: list[tuple[str, torch.Tensor]], device: torch.device) -> StepInputs:
+    """The host step's int32 fields packed into one pinned buffer and copied in one asynchronous
+    transfer, then cut into views: one copy per step where a field-by-field ``to`` issues one per
+    field, each from pageable memory (which makes the host wait for the stream first). Each field
+    starts on a 16-byte boundary: the kernels read index tensors with vector loads. The fields are
+    written through numpy and cut with one split (a torch op per field costs microseconds each on
+    the host). The buffer is rewritten only once the previous step's copy out of it has been read
+    (long done by then: that copy ran before the previous step's kernels)."""
+    sizes = []
+    for _, t in present:
+        n = t.numel()
+        sizes += [n, -n % _ALIGN]  # the field, then its padding to the next 16 bytes
+    total = sum(sizes)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    staging = _STAGING.get(index)
+    if staging is None:
+        staging = _STAGING.setdefault(index, _Staging())
+    with staging.lock:
+        if staging.pending:
+            staging.copied.synchronize()
+        if staging.host is None or staging.host.numel() < total:
+            staging.host = torch.empty(max(total, 4096), dtype=torch.int32, pin_memory=True)
+            staging.array = staging.host.numpy()
+        buf, at = staging.array, 0
+        for (_, t), n, pad in zip(present, sizes[0::2], sizes[1::2]):
+            buf[at: at + n] = t.numpy().reshape(-1)
+            at += n + pad
+        packed = staging.host[:total].to(device, non_blocking=True)
+        # the copy runs on the device's current stream: the event goes behind it there
+        staging.copied.record(None if index == torch.cuda.current_device() else torch.cuda.current_stream(device))
+        staging.pending = True
+    pieces = packed.split(sizes)
+    views = {name: piece if t.dim() == 1 else piece.view(t.shape)
+             for (name, t), piece in zip(present, pieces[0::2])}
+    return StepInputs(**{f.name: views.get(f.name) for f in fields(StepInputs)})
+
+
+# The "no snapshot points" tensors of each (device, batch size): never written, so one pair serves
+# every step of that size (two fill launches per step fewer). Kept for the process's life: a CUDA
+# graph captured with a pair reads its memory at every replay.
+_NO_SNAPSHOTS: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 def with_snapshot_tensors(step: StepInputs) -> StepInputs:
-    """``step`` with its absent snapshot fields made explicit: one -1 column (no points). The
-    KDA ops take them in every step; the model fills them once per step, not per layer."""
+    """``step`` with its absent snapshot fields made explicit: one -1 column (no points) and
+    row 0. The KDA ops take them in every step; the model adds them once per step, not per
+    layer, and reuses one pair per device and batch size. Traced steps (export, fake tensors)
+    and a pair first asked for during a CUDA-graph capture (whose memory belongs to the graph)
+    get fresh tensors, as before."""
     if step.snapshot_offsets is not None:
         return step
-    offsets = torch.full_like(step.state_slots, -1).unsqueeze(1)
-    return replace(step, snapshot_offsets=offsets, snapshot_rows=torch.zeros_like(offsets))
+    slots = step.state_slots
+    if type(slots) is not torch.Tensor or torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        offsets = torch.full_like(slots, -1).unsqueeze(1)  # traced: shapes may be symbolic, keys are not
+        return replace(step, snapshot_offsets=offsets, snapshot_rows=torch.zeros_like(offsets))
+    key = (slots.device, slots.shape[0])
+    pair = _NO_SNAPSHOTS.get(key)
+    if pair is None:
+        with torch.inference_mode(False):  # a plain tensor: usable inside and outside inference mode
+            offsets = torch.full((slots.shape[0], 1), -1, dtype=torch.int32, device=slots.device)
+            pair = offsets, torch.zeros_like(offsets)
+        if not (slots.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _NO_SNAPSHOTS[key] = pair
+    return replace(step, snapshot_offsets=pair[0], snapshot_rows=pair[1])
 
 
 def is_pure_decode(seqs: list[tuple[list[int], int, int, list[int]]]) -> bool:

@@ -7,6 +7,7 @@ on CPU-only machines: the fp32 reference implementations stay in effect.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
@@ -31,6 +32,24 @@ def load_library() -> ctypes.CDLL:
             "(or set K3_KERNELS_LIB)"
         )
     return ctypes.CDLL(str(path))
+
+
+def stream_of(t: torch.Tensor) -> int:
+    """The current CUDA stream of ``t``'s device as a raw pointer, for a launcher's stream argument:
+    torch's own getter for kernel launchers (what inductor's launches use), a fraction of the cost
+    of ``torch.cuda.current_stream(device).cuda_stream``, which builds a Stream object."""
+    return torch._C._cuda_getCurrentRawStream(t.get_device())
+
+
+_ALREADY_CURRENT = contextlib.nullcontext()
+
+
+def on_device_of(t: torch.Tensor):
+    """``torch.cuda.device(t.device)`` for a launcher that works on the current device, or a no-op
+    context when that device is current already (the common case: entering and leaving the
+    device context costs microseconds on every launch)."""
+    index = t.get_device()
+    return _ALREADY_CURRENT if index == torch.cuda.current_device() else torch.cuda.device(index)
 
 
 def check(status: int, what: str) -> None:

@@ -5,6 +5,7 @@ is split between the pools."""
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -51,14 +52,17 @@ def size_pools(bytes_per_block: int, bytes_per_slot: int, *, block_size: int, ma
     blocks, but no more blocks than ``max_slots`` sequences of ``max_seq_len`` tokens can use
     plus (with the prefix cache) one interval of blocks behind every snapshot row: those hold
     cached prefixes. Given both pool counts and no budget, the snapshot rows default to
-    ``max_slots``. Snapshot rows are 0 without the prefix cache."""
+    ``default_snapshot_rows`` (memory beside the given pools, which the CLI states on stderr).
+    Snapshot rows are 0 without the prefix cache."""
     if snapshot_slots is not None and snapshot_slots < (1 if prefix_cache else 0):
         raise ValueError(f"--prefix-cache-snapshots {snapshot_slots} must be >= 1 with the prefix cache on")
     interval = resolve_prefix_interval(prefix_cache_interval, block_size) if prefix_cache else 0
     if not prefix_cache:
         snapshot_slots = 0
     if num_blocks is not None and max_slots is not None and (snapshot_slots is not None or cache_memory_gb is None):
-        return PoolSizes(num_blocks, max_slots, max_slots if snapshot_slots is None else snapshot_slots)
+        if snapshot_slots is None:
+            snapshot_slots = default_snapshot_rows(num_blocks, max_slots, block_size, interval) if prefix_cache else 0
+        return PoolSizes(num_blocks, max_slots, snapshot_slots)
     if cache_memory_gb is None:
         raise ValueError("give the cache size: --cache-memory-gb, or both --num-blocks and --max-slots")
     budget = int(cache_memory_gb * GIB)
@@ -86,17 +90,26 @@ def size_pools(bytes_per_block: int, bytes_per_slot: int, *, block_size: int, ma
     return PoolSizes(num_blocks, max_slots, snapshot_slots)
 
 
+def default_snapshot_rows(num_blocks: int, max_slots: int, block_size: int, interval: int) -> int:
+    """Snapshot rows for explicit ``--num-blocks``/``--max-slots`` without a budget or
+    ``--prefix-cache-snapshots``: they are memory the user did not size, so no more than are
+    useful: one per state slot (each running sequence leaves its deepest snapshot), and no
+    more than the given blocks can keep the prefixes of (a held snapshot needs an interval of
+    cached blocks behind it, as the budget split assumes), but at least one."""
+    return max(1, min(max_slots, num_blocks * block_size // interval))
+
+
 def chain_hashes(seq: Sequence, block_size: int, num_blocks: int) -> list[bytes]:
     """The chain hashes of ``seq``'s first ``num_blocks`` full blocks of ``block_size`` tokens
     (one engine, one block size): block i's is the blake2b of block i-1's hash and block i's
     token ids, so equal hashes mean equal prefixes. Cached on the sequence: its tokens only
     ever grow, so the hash of a full block never changes."""
     hashes, bs = seq.block_hashes, block_size
+    pack = struct.Struct(f"<{bs}I").pack  # the block's ids as 4-byte little-endian words, in one call
     while len(hashes) < num_blocks:
         i = len(hashes)
         h = hashlib.blake2b(hashes[-1] if hashes else b"k3-trt prefix", digest_size=16)
-        for t in seq.token_ids[i * bs: (i + 1) * bs]:
-            h.update(t.to_bytes(4, "little"))
+        h.update(pack(*seq.token_ids[i * bs: (i + 1) * bs]))
         hashes.append(h.digest())
     return hashes[:num_blocks]
 

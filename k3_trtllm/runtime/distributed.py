@@ -47,11 +47,12 @@ HEARTBEAT_S = 0.5
 STOP_GRACE_S = 10.0
 
 # header[0] of a step broadcast: what the workers do with the payload that follows;
-# header[1]: the step's phase (1: pure decode) as rank 0's runner decided it, so no rank re-derives it
+# header[1]: the step's phase (1: pure decode) as rank 0's runner decided it, so no rank re-derives it;
+# header[2]: the prefix cache's KDA state-row copies rank 0 made since the last broadcast, whose
+# (src, dst) pairs follow the packed step in the payload: a worker makes them before the step (a
+# hit's restore costs no collective of its own)
 OP_STOP, OP_RUN, OP_PROBE = 0, 1, 2
-# prefix cache: header[1] is the number of KDA state-row copies, the payload their (src, dst) pairs
-OP_COPY = 3
-HEADER_LEN = 2 + PACKED_SHAPE_LEN
+HEADER_LEN = 3 + PACKED_SHAPE_LEN
 _KEY = "k3trt/"
 
 
@@ -298,6 +299,7 @@ class BroadcastExecutor:
         # every rank runs the same executor kind; the step's snapshot points travel with it
         self.writes_snapshots = getattr(local, "writes_snapshots", False)
         self.world_size = group.world_size
+        self._copies: list[int] = []  # flat (src, dst) pairs the workers have not made yet
         self.steps = 0
         self._failure: str | None = None
         self._clean = True  # no broadcast half-done: the workers wait for a header
@@ -317,18 +319,14 @@ class BroadcastExecutor:
         return logits
 
     def copy_states(self, copies: list[tuple[int, int]]) -> None:
-        """Every rank copies the state rows of its own KDA heads (rank 0 decided the copies)."""
+        """Every rank copies the state rows of its own KDA heads (rank 0 decided the copies):
+        this one now, the others with the next step's broadcast, before they run it. No rank
+        reads a state row between steps, so each makes the copies in the same order, between
+        the same steps."""
         if self._failure is not None or self._closed:
             raise RankFailure(self._failure or "the ranks were stopped")
-        self._clean = False
-        header = torch.tensor([OP_COPY, len(copies)] + [0] * (HEADER_LEN - 2), dtype=torch.int32)
-        try:
-            self._send_header(header)
-            dist.broadcast(torch.tensor(copies, dtype=torch.int32).reshape(-1).to(self.group.payload_device), 0)
-            self.local.copy_states(copies)
-        except Exception as e:
-            self._fail(e)
-        self._clean = True
+        self.local.copy_states(copies)
+        self._copies += [r for pair in copies for r in pair]
 
     def probe_broadcast(self, step: StepInputs) -> None:
         """Broadcast ``step`` without running it; returns once every rank has it."""
@@ -345,10 +343,14 @@ class BroadcastExecutor:
         self._clean = False
         self.steps += 1
         shapes = step_shapes(step)
-        header = torch.tensor([op, int(decode), *shapes], dtype=torch.int32)
+        header = torch.tensor([op, int(decode), len(self._copies) // 2, *shapes], dtype=torch.int32)
+        payload = pack_step(step)
+        if self._copies:
+            payload = torch.cat([payload, torch.tensor(self._copies, dtype=torch.int32)])
+            self._copies = []
         try:
             self._send_header(header)
-            dist.broadcast(pack_step(step).to(self.group.payload_device), 0)
+            dist.broadcast(payload.to(self.group.payload_device), 0)
         except Exception as e:
             self._fail(e)
 
@@ -480,16 +482,15 @@ def worker_loop(executor, group: RankGroup) -> None:
     try:
         while True:
             dist.broadcast(header, 0, group=group.control)
-            op, decode, shapes = int(header[0]), bool(header[1]), header[2:].tolist()
+            op, decode, num_copies, shapes = int(header[0]), bool(header[1]), int(header[2]), header[3:].tolist()
             if op == OP_STOP:
                 break
-            if op == OP_COPY:
-                pairs = torch.empty(2 * int(header[1]), dtype=torch.int32, device=group.payload_device)
-                dist.broadcast(pairs, 0)
-                executor.copy_states([tuple(p) for p in pairs.view(-1, 2).tolist()])
-                continue
-            packed = torch.empty(packed_numel(shapes), dtype=torch.int32, device=group.payload_device)
+            size = packed_numel(shapes)
+            packed = torch.empty(size + 2 * num_copies, dtype=torch.int32, device=group.payload_device)
             dist.broadcast(packed, 0)
+            if num_copies:
+                executor.copy_states([tuple(p) for p in packed[size:].view(-1, 2).tolist()])
+                packed = packed[:size]
             if op == OP_RUN:
                 executor.execute(unpack_step(shapes, packed), decode)
             else:

@@ -76,6 +76,9 @@ class EngineConfig:
     # what the executor's latent rows hold (model/caches.py: kv_cache_label), "fp8" or the
     # activation dtype's name, as build_engine states it (None: not stated); only reported
     kv_cache_dtype: str | None = None
+    # bytes of one KDA state row on this rank (a snapshot row is one): what the snapshot pools
+    # hold, for the reports (0: not stated)
+    state_row_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -318,12 +321,28 @@ class LLMEngine:
         if p is None:
             return {"enabled": False, "interval": 0, "queries": 0, "hits": 0, "cached_tokens": 0,
                     "snapshots_taken": 0, "snapshots_in_use": 0, "evicted_blocks": 0, "evicted_snapshots": 0,
-                    "cached_blocks": 0, "snapshot_slots": 0}
+                    "cached_blocks": 0, "snapshot_slots": 0, "snapshot_bytes": 0}
         return {"enabled": True, "interval": p.interval, "queries": p.queries, "hits": p.hits,
                 "cached_tokens": p.cached_tokens, "snapshots_taken": p.snapshots_taken,
                 "snapshots_in_use": p.snapshots_in_use, "evicted_blocks": blocks.num_evicted,
                 "evicted_snapshots": p.evicted_snapshots, "cached_blocks": blocks.num_cached,
-                "snapshot_slots": p.snapshot_slots}
+                "snapshot_slots": p.snapshot_slots, "snapshot_bytes": p.snapshot_slots * self.config.state_row_bytes}
+
+
+def snapshot_rows_notice(engine: LLMEngine, *, num_blocks: int | None, max_slots: int | None,
+                         cache_memory_gb: float | None, snapshot_slots: int | None) -> str | None:
+    """The one stderr line for snapshot rows that ``size_pools`` chose beside pool counts the
+    user gave (both counts, no budget, no ``--prefix-cache-snapshots``): memory nobody sized,
+    so it is said, with the flags that change it; None otherwise."""
+    prefix = engine.scheduler.prefix
+    if prefix is None or snapshot_slots is not None or cache_memory_gb is not None \
+            or num_blocks is None or max_slots is None:
+        return None
+    rows, mib = prefix.snapshot_slots, prefix.snapshot_slots * engine.config.state_row_bytes / (1 << 20)
+    return (f"k3-trt: prefix cache: {rows} KDA state snapshot row{'s' if rows != 1 else ''} ({mib:.1f} MiB per "
+            f"rank) beside --num-blocks {num_blocks} / --max-slots {max_slots} (one per state slot, at most one "
+            f"per --prefix-cache-interval {prefix.interval} of the blocks); --prefix-cache-snapshots N sets them, "
+            "--no-prefix-cache drops them")
 
 
 def build_engine(model_dir: str, *, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
@@ -356,8 +375,8 @@ def build_engine(model_dir: str, *, dtype: torch.dtype = torch.bfloat16, device:
     label = kv_cache_label(kv_cache_dtype, dtype)  # a bad value fails before the checkpoint is read
     cfg, tp, ep = _checkpoint_layout(model_dir, tp, ep)
     interval = resolve_prefix_interval(prefix_cache_interval, block_size) if prefix_cache else 0
-    pools = size_pools(K3Caches.bytes_per_block(cfg, block_size, dtype, kv_cache_dtype),
-                       K3Caches.bytes_per_slot(cfg, dtype, tp),
+    row_bytes = K3Caches.bytes_per_slot(cfg, dtype, tp)
+    pools = size_pools(K3Caches.bytes_per_block(cfg, block_size, dtype, kv_cache_dtype), row_bytes,
                        block_size=block_size, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                        cache_memory_gb=cache_memory_gb, num_blocks=num_blocks, max_slots=max_slots,
                        prefix_cache=prefix_cache, snapshot_slots=snapshot_slots, prefix_cache_interval=interval)
@@ -367,7 +386,7 @@ def build_engine(model_dir: str, *, dtype: torch.dtype = torch.bfloat16, device:
     config = EngineConfig(num_blocks=pools.num_blocks, max_slots=pools.max_slots, block_size=block_size,
                           max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
                           prefix_cache=prefix_cache, prefix_cache_interval=interval,
-                          snapshot_slots=pools.snapshot_slots, kv_cache_dtype=label)
+                          snapshot_slots=pools.snapshot_slots, kv_cache_dtype=label, state_row_bytes=row_bytes)
     return start_engine(spec, _rank_executor, cfg, config, device, model_dir, seed)
 
 

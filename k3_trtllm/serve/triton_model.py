@@ -95,7 +95,7 @@ class TritonLogHandler(logging.Handler):
 
 class TritonPythonModel:
     def initialize(self, args) -> None:
-        from k3_trtllm.runtime.engine import build_engine
+        from k3_trtllm.runtime.engine import build_engine, snapshot_rows_notice
         from k3_trtllm.trt.segment_layout import is_segmented_engine_dir
 
         package_log = logging.getLogger("k3_trtllm")
@@ -115,6 +115,10 @@ class TritonPythonModel:
             self.engine = engine_dir_engine(model_dir, **engine_kwargs)
         else:
             self.engine = build_engine(model_dir, **engine_kwargs)
+        notice = snapshot_rows_notice(self.engine, **{k: engine_kwargs.get(k) for k in (
+            "num_blocks", "max_slots", "cache_memory_gb", "snapshot_slots")})
+        if notice:
+            log.info("%s", notice)
         self.metrics = EngineMetrics(args["model_name"])
         self.loop = EngineLoop(self.engine, on_stats=self.metrics.update, **loop_kwargs)
         self.loop.start()

@@ -35,9 +35,9 @@ from ..config import parse_config
 from ..checkpoint.rank_layout import RankLayout
 from ..export.segments import DTYPES, weight_dtype
 from ..model.caches import K3Caches
-from ..model.step import StepInputs
+from ..model.step import StepInputs, with_snapshot_tensors
 from .profiles import DECODE, PREFILL
-from .segment_layout import LAYOUT, engine_kv_cache_dtype, kv_cache_conflict
+from .segment_layout import LAYOUT, engine_kv_cache_dtype, engine_writes_snapshots, kv_cache_conflict
 
 
 class EngineDirError(ValueError):
@@ -191,9 +191,10 @@ class TensorRTSegments:
 # The executor
 # ---------------------------------------------------------------------------------------
 class EngineExecutor:
-    # the segments' KDA plugins get no snapshot points (export/segments.py binds none): the
-    # prefix cache ends chunks at snapshot positions and copies the state rows (copy_states)
-    writes_snapshots = False
+    """``writes_snapshots``: the KDA segment takes the step's snapshot points and the snapshot
+    pools (``segment_layout.engine_writes_snapshots``), so prefills write the prefix cache's
+    snapshots mid-chunk as the torch executor's do; in an engine dir built before that the
+    prefix cache ends chunks at snapshot positions and copies the state rows (``copy_states``)."""
 
     def __init__(self, engine_dir: str | Path, *, num_blocks: int, max_slots: int, checkpoint: str | Path | None = None,
                  device: str | torch.device = "cpu", backend: str = "auto", plugin_lib: str | Path | None = None,
@@ -214,17 +215,22 @@ class EngineExecutor:
         if not 1 <= num_blocks <= lim["max_num_blocks"] or not 1 <= max_slots <= lim["max_batch_size"]:
             raise EngineDirError(f"num_blocks must be in [1, {lim['max_num_blocks']}] and max_slots in "
                                  f"[1, {lim['max_batch_size']}] (the engine's profiles)")
+        self.writes_snapshots = engine_writes_snapshots(config)
+        most = check_snapshot_rows(config, engine_dir, snapshot_slots)
         self.act = DTYPES[config["dtype"]]
         self.specs = {s["kind"]: s for s in config["segments"]}
         self.vocab_size = cfg.vocab_size
         self.backend = self._open_backend(engine_dir, backend, plugin_lib)  # before the (slow) weight load
         self._load_weights(engine_dir, checkpoint)
-        # the prefix cache's snapshot rows are pools of their own: the segments bind only the
-        # running slots, so the engine's profiles are unchanged
+        # the prefix cache's snapshot rows are pools of their own, which the KDA segment binds beside
+        # the running slots; without the cache it binds one row that no point writes (TensorRT
+        # takes no zero-size dims), allocated here once
+        rows = max(snapshot_slots, 1) if most else snapshot_slots
         self.caches = K3Caches.allocate(cfg, num_blocks, lim["block_size"], max_slots, self.act, self.device,
-                                        config["mapping"]["tp_size"], snapshot_slots, _allocated_kv(config))
+                                        config["mapping"]["tp_size"], rows, _allocated_kv(config))
         rank_info = config["ranks"][self.rank]
         i32 = dict(dtype=torch.int32, device=self.device)
+        self.max_slots = max_slots  # where the snapshot rows start in copy_states' row namespace
         self.rank_inputs = {"vocab_start": torch.tensor([rank_info["vocab_start"]], **i32),
                             "expert_offset": torch.tensor([rank_info["expert_offset"]], **i32)}
 
@@ -315,12 +321,36 @@ class EngineExecutor:
     def _layer_pools(self, kind: str, index: int) -> dict[str, torch.Tensor]:
         c = self.caches
         if kind == "kda_attention":
-            return {"conv_state": c.conv[index], "recurrent_state": c.recurrent[index]}
+            pools = {"conv_state": c.conv[index], "recurrent_state": c.recurrent[index]}
+            if self.writes_snapshots:
+                pools.update(snapshot_conv=c.snapshot_conv[index], snapshot_recurrent=c.snapshot_recurrent[index])
+            return pools
         return {"latent_cache": c.latent[index]}
 
     @torch.inference_mode()
     def execute(self, step: StepInputs, decode: bool) -> torch.Tensor:
-        step = step.to(self.device)
+        copies = self._one_token_snapshots(step)
+        if copies:
+            step = dataclasses.replace(step, snapshot_offsets=None, snapshot_rows=None)
+        # a step taking no snapshots binds one -1 point per sequence (the KDA segment's inputs)
+        step = (with_snapshot_tensors(step) if self.writes_snapshots else step).to(self.device)
+        logits = self._execute(step, decode)
+        self.caches.copy_states(copies)
+        return logits
+
+    def _one_token_snapshots(self, step: StepInputs) -> list[tuple[int, int]]:
+        """The snapshots of a step of one token per sequence that is no pure decode (a 1-token
+        prompt beside decode tokens), as state-row copies after it: the KDA plugin runs such a
+        step as a decode (it tells from the extents, without reading the device), which takes no
+        points. Each point of a one-token chunk is its end, whose state is the row the step leaves."""
+        if step.snapshot_offsets is None or step.num_tokens != step.num_seqs:
+            return []
+        slots = step.state_slots.tolist()
+        return [(slots[b], self.max_slots + row)
+                for b, (offsets, rows) in enumerate(zip(step.snapshot_offsets.tolist(), step.snapshot_rows.tolist()))
+                for offset, row in zip(offsets, rows) if offset >= 0]
+
+    def _execute(self, step: StepInputs, decode: bool) -> torch.Tensor:
         # the runner's phase picks the profile: a pure-decode step fits the decode profile
         # (one token per sequence, at most max_batch_size sequences)
         phase = DECODE if decode else PREFILL
@@ -376,6 +406,21 @@ class EngineExecutor:
 # ---------------------------------------------------------------------------------------
 # An LLMEngine over an engine dir (``k3-trt run ENGINE_DIR``)
 # ---------------------------------------------------------------------------------------
+def check_snapshot_rows(config: dict, engine_dir, snapshot_slots: int) -> int | None:
+    """The most snapshot rows the engine's KDA segment binds (its profiles' ``snapshot_slots``
+    dim), None when it binds none (built before snapshots, or no KDA layers);
+    ``snapshot_slots`` past it is an error naming the flag."""
+    if not engine_writes_snapshots(config) or not any(s["kind"] == "kda_attention" for s in config["segments"]):
+        return None
+    most = config["limits"].get("max_snapshot_slots")
+    if not isinstance(most, int) or most < 1:
+        raise EngineDirError(f"{engine_dir}/config.json: field `limits.max_snapshot_slots` must be a positive integer")
+    if snapshot_slots > most:
+        raise EngineDirError(f"--prefix-cache-snapshots {snapshot_slots}: the engine binds at most {most} snapshot "
+                             "rows (its max_num_blocks: a held snapshot needs a cached block of its own)")
+    return most
+
+
 def _allocated_kv(config: dict) -> str:
     """``K3Caches.allocate``'s kv_cache_dtype for the rows the engine's segments take."""
     return "fp8" if engine_kv_cache_dtype(config) == "fp8" else "auto"
@@ -431,12 +476,14 @@ def engine_dir_engine(engine_dir: str | Path, *, checkpoint: str | Path | None =
     tp = config["mapping"]["tp_size"]
     if cache_memory_gb is None and (num_blocks is None or max_slots is None):
         cache_memory_gb = DEFAULT_CACHE_MEMORY_GB
-    pools = size_pools(K3Caches.bytes_per_block(cfg, block_size, act, kv), K3Caches.bytes_per_slot(cfg, act, tp),
+    row_bytes = K3Caches.bytes_per_slot(cfg, act, tp)
+    pools = size_pools(K3Caches.bytes_per_block(cfg, block_size, act, kv), row_bytes,
                        block_size=block_size, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                        cache_memory_gb=cache_memory_gb, num_blocks=num_blocks, max_slots=max_slots,
                        prefix_cache=prefix_cache, snapshot_slots=snapshot_slots,
                        prefix_cache_interval=prefix_cache_interval)
     interval = resolve_prefix_interval(prefix_cache_interval, block_size) if prefix_cache else 0
+    check_snapshot_rows(config, engine_dir, pools.snapshot_slots)  # before any rank starts
     # a derived pool is capped at what the engine's profiles admit; explicit counts are checked
     num_blocks = num_blocks or min(pools.num_blocks, lim["max_num_blocks"])
     max_slots = max_slots or min(pools.max_slots, lim["max_batch_size"])
@@ -446,5 +493,6 @@ def engine_dir_engine(engine_dir: str | Path, *, checkpoint: str | Path | None =
     engine_config = EngineConfig(num_blocks=num_blocks, max_slots=max_slots, block_size=block_size,
                                  max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
                                  prefix_cache=prefix_cache, prefix_cache_interval=interval,
-                                 snapshot_slots=pools.snapshot_slots, kv_cache_dtype=engine_kv_cache_dtype(config))
+                                 snapshot_slots=pools.snapshot_slots, kv_cache_dtype=engine_kv_cache_dtype(config),
+                                 state_row_bytes=row_bytes)
     return start_engine(spec, make, cfg, engine_config, device, checkpoint, seed)

@@ -8,7 +8,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..config import K3Config
-from ..export.engine_io import (LOGITS, MAX_BLOCKS, MAX_SLOTS, NUM_BLOCKS, SEQS, SEQS_PLUS_1, TOKENS, TensorIO)
+from ..export.engine_io import (LOGITS, MAX_BLOCKS, MAX_SLOTS, NUM_BLOCKS, SEQS, SEQS_PLUS_1, SNAPSHOT_POINTS,
+                                SNAPSHOT_SLOTS, TOKENS, TensorIO)
+from ..ops.contract import KDA_CHUNK
 
 PREFILL, DECODE = "prefill", "decode"
 
@@ -28,6 +30,18 @@ class BuildLimits:
     def max_num_blocks(self) -> int:
         """Pool blocks for every sequence of a full batch at full length."""
         return self.max_batch_size * self.max_blocks_per_seq
+
+    @property
+    def max_snapshot_points(self) -> int:
+        """KDA snapshot points of one sequence in a step: at every KDA_CHUNK tokens of a chunk
+        and at its end (contract KDA_PREFILL), a chunk being at most max_num_tokens."""
+        return self.max_num_tokens // KDA_CHUNK + 1
+
+    @property
+    def max_snapshot_slots(self) -> int:
+        """Snapshot rows an engine binds: a held snapshot is keyed by the last block of its prefix,
+        a different block for every snapshot, so more rows than pool blocks are never all usable."""
+        return self.max_num_blocks
 
     def validate(self, cfg: K3Config) -> None:
         for name, value in asdict(self).items():
@@ -55,6 +69,9 @@ def dim_ranges(limits: BuildLimits, phase: str) -> dict[str, tuple[int, int, int
         TOKENS: tokens, SEQS: seqs, SEQS_PLUS_1: tuple(s + 1 for s in seqs), LOGITS: seqs,
         MAX_BLOCKS: (1, mb, mb), NUM_BLOCKS: (1, limits.max_num_blocks, limits.max_num_blocks),
         MAX_SLOTS: (1, b, b),
+        # decode steps take no snapshots (the runner copies their rows): one -1 column
+        SNAPSHOT_POINTS: (1, 1, limits.max_snapshot_points if phase == PREFILL else 1),
+        SNAPSHOT_SLOTS: (1, min(b, limits.max_snapshot_slots), limits.max_snapshot_slots),
     }
 
 

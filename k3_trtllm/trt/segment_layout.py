@@ -37,6 +37,23 @@ def engine_limits(path: str | Path) -> dict:
     return limits if isinstance(limits, dict) else {}
 
 
+def engine_writes_snapshots(config: dict) -> bool:
+    """Whether the engine's KDA segment takes the prefix cache's snapshot points and pools (its
+    plugin then writes the snapshots mid-prefill). Engine dirs built before it did (no
+    ``snapshot_offsets`` input) run with the snapshots copied where chunks end instead; an
+    engine without KDA layers has nothing to snapshot."""
+    kda = [s for s in config.get("segments", []) if isinstance(s, dict) and s.get("kind") == "kda_attention"]
+    return all(any(isinstance(t, dict) and t.get("name") == "snapshot_offsets" for t in s.get("inputs", []))
+               for s in kda)
+
+
+def engine_dir_writes_snapshots(path: str | Path) -> bool:
+    """``engine_writes_snapshots`` for the engine dir at ``path`` (an unreadable config: False,
+    the engine's loader reports it)."""
+    config = _engine_config(path)
+    return bool(config) and engine_writes_snapshots(config)
+
+
 def engine_kv_cache_dtype(config: dict) -> str | None:
     """What an engine's latent rows hold: "fp8" or its activation dtype's name (engine dirs
     from before the fp8 cache have no ``kv_cache_dtype`` field: theirs is the dtype)."""

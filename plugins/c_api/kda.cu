@@ -49,11 +49,37 @@ cudaError_t launch_conv_state(const Params& p, int head_dim, cudaStream_t stream
   return cudaGetLastError();
 }
 
+// `snapshot_verdict`: the chunk table's snapshot word for a prefill, null for a decode (no snapshots).
 template <int D, int W>
-cudaError_t launch_recurrent(const Params& p, cudaStream_t stream) {
+cudaError_t launch_recurrent(const Params& p, const int* snapshot_verdict, cudaStream_t stream) {
   dim3 grid(p.num_seqs, p.num_heads);
-  k3::kda::recurrent_kernel<D, W><<<grid, k3::kda::kRecThreads, 0, stream>>>(p);
+  k3::kda::recurrent_kernel<D, W><<<grid, k3::kda::kRecThreads, 0, stream>>>(p, snapshot_verdict);
   return cudaGetLastError();
+}
+
+// The chunk table and the snapshot verdict (chunk.cuh), then the snapshots' conv rows: they may
+// reach into the old conv state, so this runs before the kernel that overwrites it. Returns the
+// verdict word's device address through `verdict`.
+template <int W>
+cudaError_t launch_table_and_conv_snapshots(const Params& p, int head_dim, int* table, const int** verdict,
+                                            cudaStream_t stream) {
+  k3::kda::chunk_table_kernel<<<1, k3::kda::kTableThreads, 0, stream>>>(p, table);
+  cudaError_t err = cudaGetLastError();
+  *verdict = table + p.num_seqs + 1;
+  if (err != cudaSuccess || p.snapshot_width <= 0) return err;
+  const int P3 = 3 * p.num_heads * head_dim;
+  dim3 sgrid((P3 + 255) / 256, p.num_seqs, p.snapshot_width);
+  k3::kda::conv_snapshot_kernel<W><<<sgrid, 256, 0, stream>>>(p, P3, *verdict);
+  return cudaGetLastError();
+}
+
+// Softplus-gate prefill: the exact token recurrence, with the snapshots (the workspace holds
+// only the chunk table).
+template <int D, int W>
+cudaError_t launch_recurrent_prefill(const Params& p, void* workspace, cudaStream_t stream) {
+  const int* verdict = nullptr;
+  cudaError_t err = launch_table_and_conv_snapshots<W>(p, D, static_cast<int*>(workspace), &verdict, stream);
+  return err != cudaSuccess ? err : launch_recurrent<D, W>(p, verdict, stream);
 }
 
 // Decode: the persistent pipelined kernel, one CTA per SM (fewer when there are fewer
@@ -65,7 +91,7 @@ cudaError_t launch_decode(const Params& p, cudaStream_t stream) {
                           reinterpret_cast<uintptr_t>(p.conv_state) |
                           reinterpret_cast<uintptr_t>(p.recurrent_state) |
                           reinterpret_cast<uintptr_t>(p.out);
-  if (bases % 16 != 0) return launch_recurrent<D, W>(p, stream);
+  if (bases % 16 != 0) return launch_recurrent<D, W>(p, nullptr, stream);
   auto kernel = k3::kda::decode_kernel<D, W>;
   constexpr int kSmem = k3::kda::DecodeStage<D, W>::SMEM;
   int device = 0, sms = 0;
@@ -83,16 +109,16 @@ cudaError_t launch_decode(const Params& p, cudaStream_t stream) {
 // (few heads, long sequences: twice the CTAs on the serial chain of chunks). Operand stages:
 // two (prefetch, 1 CTA/SM), or one (2 CTAs/SM) when sequences average <= 1024 tokens
 // (session 13: one stage took 16 x 1024 x 12 heads from 0.645 to 0.595 ms; 1 x 4096 x 96
-// heads stays with two, 1.197 vs 1.212).
-template <int D, int BV, int NS>
+// heads stays with two, 1.197 vs 1.212). G: groups of 4 warps per CTA, each on BV columns.
+template <int D, int BV, int NS, int G = 1>
 cudaError_t launch_walk(const Params& p, const __nv_bfloat16* work, const int* starts,
                         cudaStream_t stream) {
-  auto walk = k3::kda::chunk_walk_kernel<D, BV, NS>;
-  constexpr size_t kSmem = k3::kda::WalkLayout<D, BV, NS>::BYTES;
+  auto walk = k3::kda::chunk_walk_kernel<D, BV, NS, G>;
+  constexpr size_t kSmem = k3::kda::WalkLayout<D, G * BV, NS>::BYTES;
   cudaError_t err = cudaFuncSetAttribute(walk, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kSmem);
   if (err != cudaSuccess) return err;
-  dim3 grid(p.num_heads * (D / BV), p.num_seqs);
-  walk<<<grid, k3::kda::kWalkThreads, kSmem, stream>>>(p, work, starts);
+  dim3 grid(p.num_heads * (D / (G * BV)), p.num_seqs);
+  walk<<<grid, k3::kda::kWalkThreads * G, kSmem, stream>>>(p, work, starts);
   return cudaGetLastError();
 }
 
@@ -109,8 +135,9 @@ cudaError_t launch_chunked(const Params& p, void* workspace, int num_tokens, cud
   if (err == cudaSuccess)
     err = cudaFuncSetAttribute(prepare, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Prep::BYTES);
   if (err != cudaSuccess) return err;
-  k3::kda::chunk_table_kernel<<<1, k3::kda::kTableThreads, 0, stream>>>(p.cu_seqlens, p.num_seqs, starts);
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  // the conv snapshots read the old conv state before the conv-state update below overwrites it
+  const int* verdict = nullptr;
+  if ((err = launch_table_and_conv_snapshots<W>(p, D, starts, &verdict, stream)) != cudaSuccess) return err;
   dim3 pgrid(k3::kda::max_chunks(num_tokens, p.num_seqs), p.num_heads);
 #ifdef K3_KDA_PREP_ONE_CTA  // measurement build: pad the shared memory to one CTA per SM
   constexpr int kPrepSmem = 200 * 1024;
@@ -121,14 +148,7 @@ cudaError_t launch_chunked(const Params& p, void* workspace, int num_tokens, cud
 #endif
   prepare<<<pgrid, k3::kda::kPrepThreads, kPrepSmem, stream>>>(p, work, starts);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  // the prepare kernel has read the old conv state; the walk does not need it. The snapshots'
-  // conv states may reach into it, so they go first.
-  if (p.snapshot_width > 0) {
-    const int P3 = 3 * p.num_heads * D;
-    dim3 sgrid((P3 + 255) / 256, p.num_seqs, p.snapshot_width);
-    k3::kda::conv_snapshot_kernel<W><<<sgrid, 256, 0, stream>>>(p, P3);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  }
+  // the prepare kernel has read the old conv state; the walk does not need it
   if ((err = launch_conv_state<W>(p, D, stream)) != cudaSuccess) return err;
   const bool narrow = 2 * p.num_seqs * p.num_heads * (D / 32) <= sms;
 #ifdef K3_KDA_WALK_ONE_STAGE  // measurement build: one stage, 2 CTAs/SM at every length
@@ -138,13 +158,20 @@ cudaError_t launch_chunked(const Params& p, void* workspace, int num_tokens, cud
 #endif
   if (narrow) return short_seqs ? launch_walk<D, 16, 1>(p, work, starts, stream)
                                 : launch_walk<D, 16, 2>(p, work, starts, stream);
-  return short_seqs ? launch_walk<D, 32, 1>(p, work, starts, stream)
-                    : launch_walk<D, 32, 2>(p, work, starts, stream);
+  // Long sequences: 32-column CTAs as two groups of 16 columns, 8 warps on one operand copy
+  // (session 17: T16384 x 96 heads walk 1.911 -> 1.683 ms, bit-identical; the same for short
+  // sequences, one stage at 2 CTAs/SM, gained nothing). K3_KDA_WALK_G1, measurement: one group.
+  if (short_seqs) return launch_walk<D, 32, 1>(p, work, starts, stream);
+#ifdef K3_KDA_WALK_G1
+  return launch_walk<D, 32, 2>(p, work, starts, stream);
+#else
+  return launch_walk<D, 16, 2, 2>(p, work, starts, stream);
+#endif
 }
 
 struct Launch {
   bool chunked;
-  void* work;  // chunked prefill only
+  void* work;  // prefill only
   int num_tokens;
   bool decode = false;  // token recurrence through the pipelined decode kernel
 };
@@ -152,7 +179,7 @@ struct Launch {
 template <int D, int W>
 cudaError_t dispatch_width(const Params& p, const Launch& l, cudaStream_t stream) {
   if (l.chunked) return launch_chunked<D, W>(p, l.work, l.num_tokens, stream);
-  return l.decode ? launch_decode<D, W>(p, stream) : launch_recurrent<D, W>(p, stream);
+  return l.decode ? launch_decode<D, W>(p, stream) : launch_recurrent_prefill<D, W>(p, l.work, stream);
 }
 
 template <int D>
@@ -196,30 +223,41 @@ int k3_kda_supported(int head_dim, int conv_width) {
          conv_width <= 4;
 }
 
-// Bytes of device workspace k3_kda_prefill needs (0 when it runs the token recurrence).
+// Bytes of device workspace k3_kda_prefill needs: the chunk table (with the snapshot verdict),
+// then, for the chunked form, the chunk workspaces.
 size_t k3_kda_prefill_workspace_bytes(int num_tokens, int num_seqs, int num_heads, int head_dim,
                                       float lower_bound) {
-  if (!chunked_gate(lower_bound)) return 0;
+  if (!chunked_gate(lower_bound)) return k3::kda::chunk_table_bytes(num_seqs);
   return k3::kda::chunk_table_bytes(num_seqs) +
          (size_t)k3::kda::max_chunks(num_tokens, num_seqs) * num_heads * chunk_work_bytes(head_dim);
 }
 
-// Chunked prefill. The factorised intra-chunk decay needs |lower_bound| <= 10; the
-// softplus gate (lower_bound == 0, unbounded decay) runs the exact token recurrence.
-// `a->workspace`: k3_kda_prefill_workspace_bytes(...) bytes, 16-byte aligned.
+// Byte offset in k3_kda_prefill's workspace of the snapshot verdict word: after the call
+// (stream order) it holds 0, or 1 when an entry of snapshot_offsets / snapshot_rows broke the
+// contract's rules, in which case the call wrote no snapshot (everything else as usual).
+size_t k3_kda_prefill_snapshot_verdict_offset(int num_seqs) {
+  return k3::kda::snapshot_verdict_offset(num_seqs);
+}
+
+// Prefill, with the snapshots at the checked snapshot points. The factorised intra-chunk decay
+// of the chunked form needs |lower_bound| <= 10; the softplus gate (lower_bound == 0, unbounded
+// decay) runs the exact token recurrence. `a->workspace`: k3_kda_prefill_workspace_bytes(...)
+// bytes, 16-byte aligned.
 int k3_kda_prefill(const K3KdaParams* a, cudaStream_t stream) {
-  if (a == nullptr) return cudaErrorInvalidValue;
+  if (a == nullptr || a->workspace == nullptr) return cudaErrorInvalidValue;
   const Launch l{chunked_gate(a->lower_bound), a->workspace, a->num_tokens};
   return dispatch(make_params(*a), a->head_dim, a->conv_width, l, stream);
 }
 
 // Decode / speculative verify: token recurrence, any number of tokens per sequence.
 // Same params as k3_kda_prefill; the workspace is not used (may be null); takes no snapshots
-// (the snapshot fields are not read). Neither does k3_kda_prefill with the softplus gate.
+// (the snapshot fields are not read).
 int k3_kda_decode(const K3KdaParams* a, cudaStream_t stream) {
   if (a == nullptr) return cudaErrorInvalidValue;
   const Launch l{false, nullptr, a->num_tokens, true};
-  return dispatch(make_params(*a), a->head_dim, a->conv_width, l, stream);
+  Params p = make_params(*a);
+  p.snapshot_width = 0;
+  return dispatch(p, a->head_dim, a->conv_width, l, stream);
 }
 
 }  // extern "C"

@@ -52,6 +52,10 @@ Workspace carve(char* base, int T, int E, int k, int El, int L, int I) {
   w.schedule.sorted_token = c.take<int>(assignments);
   w.schedule.sorted_weight = c.take<float>(assignments);
   w.schedule.slot_row = c.take<int>(assignments);
+  // The decode GEMVs' split-K partials and counters (8 MiB), for every T: a workspace sized
+  // for a larger T (the TensorRT plugin's maximum shape) must hold every smaller T's layout.
+  w.schedule.split_count = c.take<int>(kSplitCounters + kDecodeWorkCounters);
+  w.schedule.split_part = c.take<float>((size_t)kSplitItemsMax * kDecodeThreads * kSplitAccMax);
   w.h = c.take<__nv_bfloat16>(assignments * I);
   w.part = c.take<float>(assignments * L);
   w.bytes = c.used();
@@ -86,9 +90,16 @@ bool batch_invariant() { return g_batch_invariant.load(std::memory_order_relaxed
 // The router GEMV for small batches (its rounding differs from the tensor-core logits' kernel).
 bool gemv_logits_apply(int T, int D) { return !batch_invariant() && T <= kGemvMaxTokens && D % 4 == 0; }
 
-void launch_logits_gemv(const __nv_bfloat16* x, const float* w, float* logits, int T, int D, int E,
-                        cudaStream_t stream) {
+// From this many tokens the small-batch logits are the tensor cores' with D split over clusters
+// (router_mma.cuh), not the GEMV: H200, E = 896, D = 7168, L2 flushed (H3, session 17; us,
+// split / GEMV): T = 8: 22.9 / 21.1, 16: 23.1 / 31.8, 32: 23.1 / 50.9, 64: 23.7 / 89.0.
+constexpr int kGemvMmaFromTokens = 9;
+
+cudaError_t launch_logits_gemv(const __nv_bfloat16* x, const float* w, float* logits, int T, int D, int E,
+                               cudaStream_t stream) {
   const unsigned experts = (E + kGemvExperts - 1) / kGemvExperts;
+  if (T >= kGemvMmaFromTokens && D % 8 == 0)
+    return launch_router_logits_split<1, 4, 4, 8>(x, w, logits, T, D, E, nullptr, 0, stream);
   if (T == 1) {
     router_logits_gemv_kernel<1><<<experts, 32 * kGemvWarps, 0, stream>>>(x, w, logits, T, D, E);
   } else if (T <= 4) {
@@ -96,6 +107,7 @@ void launch_logits_gemv(const __nv_bfloat16* x, const float* w, float* logits, i
   } else {
     router_logits_gemv_kernel<8><<<dim3(experts, (T + 7) / 8), 32 * kGemvWarps, 0, stream>>>(x, w, logits, T, D, E);
   }
+  return cudaSuccess;
 }
 
 // Prefill batches that take the tensor-core logits and the warp select, which then also zero
@@ -104,11 +116,22 @@ bool route_folds(int T, int D, int E, int k, int G) {
   return !gemv_logits_apply(T, D) && D % 8 == 0 && warp_select_applies(E, k, G);
 }
 
+// Router logits up to this many tokens split D over clusters of 8 CTAs (router_mma.cuh), whose
+// 64 x 64 tiles then fill the GPU; above, whole-D tiles. H200, E = 896, D = 7168, L2 flushed
+// (H3, session 17; us, split / whole-D): T = 128: 31 / 97, 256: 58 / 98, 512: 105 / 98,
+// 1000: 216 / 176. Batch-invariant mode: whole-D tiles for every T (a token's bits must not
+// depend on its batch).
+constexpr int kRouterSplitMaxTokens = 384;
+
 // zero_counts / zero_n: zeroed by the tensor-core kernel (only where route_folds).
 int launch_logits(const __nv_bfloat16* x, const float* w, float* logits, int T, int D, int E, int* zero_counts,
                   int zero_n, cudaStream_t stream) {
   if (gemv_logits_apply(T, D)) {
-    launch_logits_gemv(x, w, logits, T, D, E, stream);
+    const cudaError_t err = launch_logits_gemv(x, w, logits, T, D, E, stream);
+    if (err != cudaSuccess) return err;
+  } else if (D % 8 == 0 && !batch_invariant() && T <= kRouterSplitMaxTokens) {
+    const cudaError_t err = launch_router_logits_split<1, 4, 4, 8>(x, w, logits, T, D, E, zero_counts, zero_n, stream);
+    if (err != cudaSuccess) return err;
   } else if (D % 8 == 0) {
     const cudaError_t err = cudaFuncSetAttribute(router_logits_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  kRtSmemBytes);
@@ -200,25 +223,44 @@ bool decode_wide(int K, const ExpertWeights& ew) {
   return decode_wide_applies(K) && !misaligned(ew.packed) && !misaligned(ew.scale);
 }
 
+// Launches decode GEMV kKernel as a programmatic dependent on one wave of CTAs (SMs x resident
+// CTAs per SM on the current device), which loop over the work (decode_gemm.cuh); the wave is
+// also the kernel's last argument. Cached per device: the occupancy query costs host time.
+constexpr int kWaveDevices = 64;
+
+template <auto kKernel, typename... Args>
+void launch_decode_gemv(cudaStream_t stream, Args... args) {
+  static std::atomic<int> waves[kWaveDevices];  // zero-initialised: not yet queried
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0) dev = 0;
+  int wave = dev < kWaveDevices ? waves[dev].load(std::memory_order_relaxed) : 0;
+  if (wave == 0) {
+    int sms = 0, per_sm = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms < 1) sms = 1;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kDecodeThreads, 0) != cudaSuccess || per_sm < 1)
+      per_sm = 1;
+    wave = sms * per_sm;
+    if (dev < kWaveDevices) waves[dev].store(wave, std::memory_order_relaxed);
+  }
+  launch_dependent(kKernel, dim3(wave), dim3(kDecodeThreads), stream, args..., wave);
+}
+
 template <bool kMxfp4, int kTiles>
-void launch_decode(const MoeArgs& a, const Workspace& w, int tiles) {
+void launch_decode(const MoeArgs& a, const Workspace& w) {
   constexpr int kNarrow = kMxfp4 ? 16 : 8, kWide = kMxfp4 && kTiles == 1 ? kDecodeWideElems : kNarrow;
-  const dim3 gate_up_grid(tiles, a.I / kDecodeFeatures), down_grid(tiles, a.L / kDecodeFeatures);
   const auto* z = static_cast<const __nv_bfloat16*>(a.z);
   const auto* h = static_cast<const __nv_bfloat16*>(w.h);
   if (decode_wide(a.L, a.w13)) {
-    launch_dependent(gate_up_decode_kernel<kMxfp4, kTiles, kWide>, gate_up_grid, dim3(kDecodeThreads), a.stream, z,
-                     a.w13, w.h, w.schedule, a.L, a.I, a.act);
+    launch_decode_gemv<gate_up_decode_kernel<kMxfp4, kTiles, kWide>>(a.stream, z, a.w13, w.h, w.schedule, a.L, a.I,
+                                                                     a.act);
   } else {
-    launch_dependent(gate_up_decode_kernel<kMxfp4, kTiles, kNarrow>, gate_up_grid, dim3(kDecodeThreads), a.stream, z,
-                     a.w13, w.h, w.schedule, a.L, a.I, a.act);
+    launch_decode_gemv<gate_up_decode_kernel<kMxfp4, kTiles, kNarrow>>(a.stream, z, a.w13, w.h, w.schedule, a.L,
+                                                                       a.I, a.act);
   }
   if (decode_wide(a.I, a.w2)) {
-    launch_dependent(down_decode_kernel<kMxfp4, kTiles, kWide>, down_grid, dim3(kDecodeThreads), a.stream, h, a.w2,
-                     w.part, w.schedule, a.L, a.I);
+    launch_decode_gemv<down_decode_kernel<kMxfp4, kTiles, kWide>>(a.stream, h, a.w2, w.part, w.schedule, a.L, a.I);
   } else {
-    launch_dependent(down_decode_kernel<kMxfp4, kTiles, kNarrow>, down_grid, dim3(kDecodeThreads), a.stream, h, a.w2,
-                     w.part, w.schedule, a.L, a.I);
+    launch_decode_gemv<down_decode_kernel<kMxfp4, kTiles, kNarrow>>(a.stream, h, a.w2, w.part, w.schedule, a.L, a.I);
   }
 }
 
@@ -246,7 +288,8 @@ int moe_forward(const MoeArgs& a) {
     // Decode: the router GEMV, then one CTA selects, counts, scans and scatters: two launches
     // where the prefill path has five and a memset.
     const RouteParams p{a.E, a.k, a.G, a.topk_group, a.scoring, a.renormalize, a.scale};
-    launch_logits_gemv(static_cast<const __nv_bfloat16*>(a.x), a.router_weight, w.logits, a.T, a.D, a.E, st);
+    err = launch_logits_gemv(static_cast<const __nv_bfloat16*>(a.x), a.router_weight, w.logits, a.T, a.D, a.E, st);
+    if (err != cudaSuccess) return err;
     with_experts_per_lane(a.E, [&](auto per_lane) {
       launch_dependent(route_schedule_kernel<decltype(per_lane)::value>, dim3(1), dim3(kScanThreads), st,
                        static_cast<const float*>(w.logits), a.bias, p, a.T, a.offset, a.El, bm, s);
@@ -266,23 +309,24 @@ int moe_forward(const MoeArgs& a) {
     scatter_kernel<<<blocks, 256, 0, st>>>(w.topk_ids, w.topk_weights, assignments, a.k, a.offset, a.El, s);
   }
 
-  // Grids cover the worst-case M tiles of this many assignments, not El experts' worth:
-  // decode (T*k small) launches at most T*k tiles per column block; spare ones exit at once.
+  // The tiled GEMMs' grids cover the worst-case M tiles of this many assignments, not El
+  // experts' worth; spare ones exit at once. The decode GEMVs run one wave that loops over the tiles.
   const int tiles = max_m_tiles(assignments, a.El, bm);
   const auto* z = static_cast<const __nv_bfloat16*>(a.z);
   if (decode) {
     if (bm == 8) {
-      launch_decode<kMxfp4, 1>(a, w, tiles);
+      launch_decode<kMxfp4, 1>(a, w);
     } else {
-      launch_decode<kMxfp4, 2>(a, w, tiles);
+      launch_decode<kMxfp4, 2>(a, w);
     }
   } else if (wgmma) {
     const WgParams gate_up{z, a.w13, s, a.L, a.I / (kWgBN / 2), 2 * (int64_t)a.I, a.I - kWgBN / 2, a.I, w.h, nullptr,
                            a.act};
     const WgParams down{w.h, a.w2, s, a.I, a.L / kWgBN, a.L, 0, a.L, nullptr, w.part, a.act};
-    err = launch_routed_gemm_wgmma<kMxfp4, true>(gate_up, tiles, st);
+    // MXFP4: the weights as the register operand, tokens on N (grouped_gemm_wgmma.cuh, RS form)
+    err = kMxfp4 ? launch_routed_gemm_rs<true>(gate_up, tiles, st) : launch_routed_gemm_wgmma<true>(gate_up, tiles, st);
     if (err != cudaSuccess) return err;
-    err = launch_routed_gemm_wgmma<kMxfp4, false>(down, tiles, st);
+    err = kMxfp4 ? launch_routed_gemm_rs<false>(down, tiles, st) : launch_routed_gemm_wgmma<false>(down, tiles, st);
     if (err != cudaSuccess) return err;
   } else {
     gate_up_kernel<kMxfp4><<<dim3(tiles, a.I / BN), kGemmThreads, 0, st>>>(z, a.w13, w.h, s, a.L, a.I, a.act);

@@ -377,6 +377,35 @@ def test_fp8_latent_attention_wide_scales(ops, heads, q_group):
     assert err <= TOL, f"largest per-head relative error {err:.3e}"
 
 
+@pytest.mark.parametrize("heads,context", [(12, 130), (16, 5000)])
+def test_fp8_latent_attention_rising_maxima(ops, heads, context):
+    """The fp8 cache at <= 16 heads (the direct kernel, Q 128) with scores whose running
+    maximum jumps part-way through a split (rows 8-22x larger at growing positions, so their
+    group scales, and the tiles' scale exponents, jump too): the output accumulator's
+    rescale by alpha and by the exponent change must meet in every later tile; a row
+    rescaled late, twice or not at all is off by O(1). One split (130 tokens) and many (5000)."""
+    cuda_mla, _ = ops
+    from k3_trtllm.ops.mla import fp8_cache
+    nope, rank, rope, q_group = 128, 512, 64, 128
+    step = make_step(heads, K3, [context], [1], 64, seed=70 + heads + context)
+    pool = step["latent_cache"].float()
+    pos = torch.arange(context + 1, device="cuda")
+    slots = (step["block_tables"][0, pos // 64].long(), pos % 64)
+    for k, p in enumerate([p for p in (5, 40, 97, 300, 611, 900, 2100, 4444) if p <= context]):
+        pool[slots[0][p], slots[1][p]] *= 8 + 2 * k
+    cache = fp8_cache.quantize(pool, rank, q_group)
+    gen = torch.Generator(device="cuda").manual_seed(heads)
+    q_lat = torch.randn(1, heads, rank, generator=gen, device="cuda").to(torch.bfloat16)
+    a_lat = cuda_mla.latent_attention(q_lat, step["q"], step["cu_seqlens"], step["context_lens"],
+                                      step["block_tables"], cache, nope, 0.07, scale_group=q_group)
+    rows = fp8_cache.dequantize(cache[slots], rank, rope, q_group)
+    query = torch.cat([q_lat[0].float(), step["q"][0, :, nope:].float()], dim=-1)
+    want = torch.softmax(query @ rows.T * 0.07, dim=-1) @ rows[:, :rank]
+    assert torch.isfinite(a_lat).all()
+    err = ((a_lat[0].float() - want).norm(dim=-1) / want.norm(dim=-1)).max().item()  # every head
+    assert err <= TOL, f"largest per-head relative error {err:.3e}"
+
+
 def test_fp8_tiny_dims_fall_back_to_the_reference(ops):
     """The tiny model's 100-byte rows (R 64, Q 64, Dr 16) are not 16-byte multiples: the op
     warns once and runs the reference, whose result and cache it returns."""

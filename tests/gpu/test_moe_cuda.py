@@ -219,15 +219,62 @@ def test_k3_dims_ep_rank_matches_the_reference(cuda_moe, mxfp4):
     assert err < TOL
 
 
-@pytest.mark.parametrize("num_experts", [112, 896])
-def test_prefill_router_logits_as_accurate_as_fp32(cuda_moe, num_experts):
-    """Router logits of a prefill batch (T > 64: router_mma.cuh, three bf16 terms of the fp32
-    weights on the tensor cores) at K3 width D = 7168, against fp64: the error is no larger
-    than that of a sequential fp32 sum over D (emulated on the GPU, one rounded product and one
-    rounded add per step), in rms and in max; selection equals the fp32 CPU reference's.
-    1000 tokens: 15 full 64-token tiles and a partial one; 896 experts: 14 expert tiles, 112:
-    a partial second one. A two-term split (2^-16 per weight) would be ~10x over the rms."""
-    T, D = 1000, 7168
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["bf16", "mxfp4"])
+@pytest.mark.parametrize("T", [1, 2, 5])
+def test_k3_ep_rank_decode_with_few_touched_experts(cuda_moe, T, mxfp4):
+    """Decode as one EP8 rank sees it: 896 experts top-16, 112 local, so 1-10 local experts get
+    a token. The few (tile, column block) pairs are split over K (decode_gemm.cuh split-K: the
+    last CTA sums the partials in split order) and the route kernel ranks each token with
+    32 / T warps (decode_route.cuh). The shard is the one holding token 0's best expert, so at
+    least one local expert is touched. Output vs the fp32 reference, and bitwise equal over
+    repeats (the arrival order of the split CTAs must not show)."""
+    from k3_trtllm.ops.moe import naive
+    from k3_trtllm.mxfp4 import dequantize_mxfp4
+    base = K3_CASE
+    dev = make_inputs(base, T, mxfp4, seed=11 + T, device="cuda")
+    ref_ids, ref_w = naive.route(dev[0].cpu(), dev[2].cpu(), dev[3].cpu(), base[3], 1, 1, 0, True, 1.0)
+    El = base[1]
+    off = int(ref_ids[0, 0]) // El * El
+    case = base[:2] + (off,) + base[3:]
+    attrs = attrs_of(case)
+    check_selection(cuda_moe, dev, attrs)
+    op = torch.ops.k3.situ_moe_mxfp4 if mxfp4 else torch.ops.k3.situ_moe
+    outs = [op(*dev, *attrs) for _ in range(3)]
+    assert all(torch.equal(o, outs[0]) for o in outs[1:]), "repeats differ"
+    local = ref_ids - off
+    active = torch.unique(local[(local >= 0) & (local < El)])
+    if mxfp4:
+        idx = active.cuda()
+        w13 = dequantize_mxfp4(dev[4][idx], dev[5][idx])
+        w2 = dequantize_mxfp4(dev[6][idx], dev[7][idx])
+    else:
+        w13, w2 = dev[4][active.cuda()], dev[5][active.cuda()]
+    remap = torch.full((case[0],), -1, dtype=torch.long)
+    remap[active + off] = torch.arange(active.numel())
+    allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        ref = naive.routed_experts(dev[1], remap[ref_ids].cuda(), ref_w.cuda(), w13, w2, 0, *attrs[8:11])
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    err = rel_err(outs[0], ref)
+    print(f"K3 EP rank decode T={T} {'mxfp4' if mxfp4 else 'bf16'}: {active.numel()} local experts, rel err {err:.2e}")
+    assert err < TOL
+    elsewhere = ~((local >= 0) & (local < El)).any(-1)
+    assert torch.equal(outs[0].cpu()[elsewhere], torch.zeros_like(outs[0].cpu()[elsewhere]))
+
+
+@pytest.mark.parametrize("num_experts,T", [(112, 1000), (896, 1000), (896, 4096), (896, 200), (112, 40)])
+def test_prefill_router_logits_as_accurate_as_fp32(cuda_moe, num_experts, T):
+    """Router logits on the tensor cores (router_mma.cuh, three bf16 terms of the fp32 weights)
+    at K3 width D = 7168, against fp64: the error is no larger than that of a sequential fp32
+    sum over D (emulated on the GPU, one rounded product and one rounded add per step), in rms
+    and in max; selection equals the fp32 CPU reference's; a second call gives the same bits.
+    1000 and 4096 tokens: whole-D 64 x 64 tiles (1000: 15 full 64-token tiles and a partial
+    one); 200 and 40 (a decode batch, T > 8): D split over clusters of 8 CTAs, 64-token tiles
+    (200: a partial fourth). 896 experts: 14 expert tiles, 112: a partial second one. A
+    two-term split (2^-16 per weight) would be ~10x over the rms."""
+    D = 7168
     case = (num_experts, num_experts, 0, 16, 1, 1, 0, 1, 1.0, 1, 2.0, 4.0, 64, 64, D)
     g = torch.Generator(device="cuda").manual_seed(num_experts)
     x = torch.randn(T, D, generator=g, device="cuda").bfloat16()
@@ -246,6 +293,9 @@ def test_prefill_router_logits_as_accurate_as_fp32(cuda_moe, num_experts):
           f"max {float(err.max()):.2e} ({float(err_seq.max()):.2e})")
     assert torch.isfinite(logits).all()
     assert rms <= rms_seq and float(err.max()) <= float(err_seq.max())
+    again = torch.full_like(logits, float("nan"))
+    cuda_moe.route(x, router, bias, 16, 1, 1, 0, True, 1.0, logits=again)
+    assert torch.equal(again, logits), "router logits differ between two identical calls"
     check_selection(cuda_moe, [x, None, router, bias], attrs_of(case))
 
 
@@ -313,14 +363,23 @@ def test_k3_dims_decode_matches_the_reference(cuda_moe, T, mxfp4):
     check_k3_rank(cuda_moe, T, mxfp4, seed=7 + T, what="decode")
 
 
-def check_k3_rank(cuda_moe, T, mxfp4, seed, what):
-    """One rank's 112 experts at K3 dims (K3_RANK_CASE). Reference: naive.route on CPU, then
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["bf16", "mxfp4"])
+@pytest.mark.parametrize("T", [1024, 4096])
+def test_k3_dims_ep8_prefill_matches_the_reference(cuda_moe, T, mxfp4):
+    """Prefill as one EP8 rank sees it (the rank slice): 896 experts top-16, this rank's 112
+    (offset 224) get ~T·16/8 rows, ~18 (T = 1024) or ~73 (T = 4096) per expert on average, so
+    the MXFP4 GEMMs (tokens on N) run column tiles of many widths (N = the tile's rows rounded up
+    to 16); 7/8 of the slots belong to other ranks."""
+    check_k3_rank(cuda_moe, T, mxfp4, seed=13 + T, what="EP8 prefill", case=K3_CASE)
+
+
+def check_k3_rank(cuda_moe, T, mxfp4, seed, what, case=K3_RANK_CASE):
+    """One rank's 112 experts at K3 dims (K3_RANK_CASE, or `case`). Reference: naive.route on CPU, then
     naive.routed_experts in fp32 on the GPU (cuBLAS with TF32 off; fp32 products of the same
     bf16 operands, so the module's 2e-3 bound holds). On the CPU the reference GEMMs over
     7.4 GB of weights would take minutes."""
     from k3_trtllm.ops.moe import naive
     from k3_trtllm.mxfp4 import dequantize_mxfp4
-    case = K3_RANK_CASE
     attrs = attrs_of(case)
     dev = make_inputs(case, T, mxfp4, seed=seed, device="cuda")
     ref_ids, ref_w = check_selection(cuda_moe, dev, attrs)
@@ -330,7 +389,7 @@ def check_k3_rank(cuda_moe, T, mxfp4, seed, what):
     allow_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        ref = naive.routed_experts(dev[1], ref_ids.cuda(), ref_w.cuda(), w13, w2, 0, *attrs[8:11])
+        ref = naive.routed_experts(dev[1], ref_ids.cuda(), ref_w.cuda(), w13, w2, case[2], *attrs[8:11])
     finally:
         torch.backends.cuda.matmul.allow_tf32 = allow_tf32
     err = rel_err(out, ref)

@@ -17,7 +17,7 @@ from .. import registry
 from ..c_abi import SITU_MOE_MXFP4_PARAMS, SITU_MOE_PARAMS
 from ..contract import SITU_MOE, SITU_MOE_MXFP4
 from . import reference as _reference  # importing defines the k3::situ_moe* ops
-from ..cuda_library import check, fall_back, load_library, unsupported_tensors
+from ..cuda_library import check, fall_back, load_library, on_device_of, stream_of, unsupported_tensors
 
 _LIB = load_library()
 _p, _i, _f, _sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
@@ -52,10 +52,6 @@ def set_batch_invariant(enabled: bool) -> bool:
     return previous
 
 
-def _stream(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
-
-
 def route(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
           num_expert_group: int, topk_group: int, scoring: int, renormalize: bool,
           routed_scaling_factor: float, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,11 +67,11 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.T
           or logits.numel() < num_tokens * num_experts):
         raise ValueError(f"logits: expected a contiguous fp32 tensor of {num_tokens * num_experts} elements on "
                          f"{x.device}, got {logits.dtype} {tuple(logits.shape)} on {logits.device}")
-    with torch.cuda.device(x.device):
+    with on_device_of(x):
         status = _LIB.k3_moe_route(
             x.data_ptr(), router_weight.data_ptr(), correction_bias.data_ptr(), logits.data_ptr(), ids.data_ptr(),
             weights.data_ptr(), num_tokens, x.shape[1], num_experts, top_k, num_expert_group, topk_group, scoring,
-            int(renormalize), float(routed_scaling_factor), _stream(x.device))
+            int(renormalize), float(routed_scaling_factor), stream_of(x))
     check(status, "k3_moe_route")
     return ids, weights
 
@@ -87,11 +83,11 @@ def _launch(entry, params, inputs, inter, num_local, attrs):
     out = torch.empty_like(z)
     if x.shape[0] == 0:
         return out
-    with torch.cuda.device(x.device):
+    with on_device_of(x):
         size = _LIB.k3_moe_workspace_size(x.shape[0], num_experts, top_k, num_local, z.shape[1], inter)
         ws = torch.empty(max(size, 1), dtype=torch.uint8, device=x.device)
         launch = params.fill(inputs, (out,), attrs, ws, ws.numel())
-        status = entry(ctypes.byref(launch), _stream(x.device))
+        status = entry(ctypes.byref(launch), stream_of(x))
     check(status, entry.__name__)
     return out
 

@@ -14,13 +14,15 @@ import ctypes
 import torch
 
 from .. import common
-from ..cuda_library import check, fall_back, load_library
+from ..c_abi import packer
+from ..cuda_library import check, fall_back, load_library, stream_of
 from . import reference
 
 MAX_SOURCES = 16  # K3_ATTN_RES_MAX_SOURCES
 MAX_MIX_DIM = 10240  # K3_ATTN_RES_MAX_DIM
 _WEIGHT_NONE, _WEIGHT_BF16, _WEIGHT_FP32 = 0, 1, 2
 _p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+_NO_SOURCES = (0,) * MAX_SOURCES  # the unused source pointers
 
 
 class RmsNormParams(ctypes.Structure):
@@ -43,6 +45,9 @@ class GluParams(ctypes.Structure):
                 ("activation", _i), ("beta", _f), ("linear_beta", _f)]
 
 
+# Each launch's params are packed into bytes laid out as the Structure above (``c_abi.packer``, a
+# fraction of the Structure constructor's cost) and passed as the launcher's params pointer.
+_RMS_NORM, _ATTN_RES_MIX, _GLU = packer(RmsNormParams), packer(AttnResMixParams), packer(GluParams)
 _lib: ctypes.CDLL | None = None
 
 
@@ -50,20 +55,15 @@ def _library() -> ctypes.CDLL:
     global _lib
     if _lib is None:
         lib = load_library()
-        for name, params in (("k3_rms_norm", RmsNormParams), ("k3_attn_res_mix_norm", AttnResMixParams),
-                             ("k3_glu", GluParams)):
+        for name in ("k3_rms_norm", "k3_attn_res_mix_norm", "k3_glu"):
             fn = getattr(lib, name)
-            fn.argtypes = [ctypes.POINTER(params), _p]
+            fn.argtypes = [_p, _p]  # const K3<...>Params* (packed bytes), stream
             fn.restype = _i
         _lib = lib
     return _lib
 
 
-def _stream(t: torch.Tensor) -> int:
-    """The current stream of ``t``'s device, as a raw pointer: torch's own getter for kernel
-    launchers (what inductor's launches use), a fraction of ``torch.cuda.current_stream``'s cost,
-    which builds a Stream object; every norm launch of a step asks."""
-    return torch._C._cuda_getCurrentRawStream(t.get_device())
+_stream = stream_of  # every norm launch of a step asks
 
 
 def _weight(w: torch.Tensor | None) -> tuple[int | None, int] | None:
@@ -108,6 +108,44 @@ def _why_not(tensors: dict[str, torch.Tensor | None], weights: dict[str, torch.T
     return None
 
 
+# The checks above name what they reject, which costs string work on every call; these decide the
+# common case (every operand readable) with attribute reads alone, and a call they do not accept
+# goes through ``_why_not`` for its reason (they accept nothing ``_why_not`` rejects).
+_BF16 = torch.bfloat16
+_WEIGHT_KINDS = {torch.bfloat16: _WEIGHT_BF16, torch.float32: _WEIGHT_FP32}
+
+
+def _readable(device: torch.device, tensors) -> bool:
+    """Every tensor bf16 on ``device`` with a contiguous last dim."""
+    for t in tensors:
+        if t.dtype != _BF16 or t.device != device or not (t.is_contiguous() or t.stride(-1) == 1):
+            return False
+    return True
+
+
+def _dense_rows(device: torch.device, shape: torch.Size, tensors) -> bool:
+    """Every tensor a contiguous bf16 tensor of ``shape`` on ``device`` (as the model makes the mixes'
+    operands)."""
+    for t in tensors:
+        if t.shape != shape or t.dtype != _BF16 or t.device != device or not t.is_contiguous():
+            return False
+    return True
+
+
+def _weight_readable(device: torch.device, w: torch.Tensor | None, dim: int) -> bool:
+    """``w`` None, or a contiguous 1-D bf16/fp32 CUDA weight of length ``dim`` on ``device``."""
+    return w is None or (w.dtype in _WEIGHT_KINDS and w.dim() == 1 and w.shape[0] == dim and w.is_cuda
+                         and w.device == device and w.is_contiguous())
+
+
+def _launch(fn, params: bytes, stream: int, what) -> None:
+    """Call a launcher with its packed params; ``what()`` names the call in the error (built only
+    when there is one)."""
+    status = fn(params, stream)
+    if status:
+        check(status, what())
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """``common.rms_norm`` of bf16 CUDA rows [T, d] (rows may be strided: split views)."""
     return _norm(x, weight, None, eps)
@@ -119,7 +157,29 @@ def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, ep
 
 
 def _norm(x, weight, gate, eps):
-    op = "rms_norm" if gate is None else "gated_rms_norm"
+    shape, device = x.shape, x.device
+    fast = (len(shape) == (2 if gate is None else 3) and not shape[-1] % 2
+            and (gate is None or (gate.shape == shape and _readable(device, (gate,))))
+            and _readable(device, (x,)) and _weight_readable(device, weight, shape[-1]))
+    if not fast:
+        reason = _norm_reason(x, weight, gate)
+        if reason is not None:
+            op, ref = ("rms_norm", common.rms_norm) if gate is None else ("gated_rms_norm", common.gated_rms_norm)
+            return fall_back(op, reason, ref, *((x, weight, eps) if gate is None else (x, weight, gate, eps)))
+    out = torch.empty(shape, dtype=x.dtype, device=device)
+    w_ptr, w_type = (0, _WEIGHT_NONE) if weight is None else (weight.data_ptr(), _WEIGHT_KINDS[weight.dtype])
+    if gate is None:
+        p = _RMS_NORM.pack(x.data_ptr(), x.stride(0), 0, 0, 0, 0, w_ptr, w_type, out.data_ptr(), shape[0], 1,
+                           shape[-1], eps)
+    else:
+        p = _RMS_NORM.pack(x.data_ptr(), x.stride(0), x.stride(1), gate.data_ptr(), gate.stride(0), gate.stride(1),
+                           w_ptr, w_type, out.data_ptr(), shape[0], shape[1], shape[-1], eps)
+    _launch(_library().k3_rms_norm, p, _stream(x), lambda: f"k3_rms_norm (x {list(x.shape)} {x.stride()})")
+    return out
+
+
+def _norm_reason(x, weight, gate) -> str | None:
+    """Why the norm kernel cannot take the operands, or None."""
     reason = _why_not({"x": x, "gate": gate}, {"weight": weight}, x.shape[-1] if x.dim() else None)
     if reason is None and gate is None and x.dim() != 2:
         reason = f"x of shape {list(x.shape)} (they take [T, d] rows)"
@@ -127,20 +187,7 @@ def _norm(x, weight, gate, eps):
         reason = f"x {list(x.shape)} with gate {list(gate.shape)} (they take two [T, H, D] views)"
     if reason is None and x.shape[-1] % 2:
         reason = f"an odd last dim ({x.shape[-1]})"
-    if reason is not None:
-        ref = common.rms_norm if gate is None else common.gated_rms_norm
-        return fall_back(op, reason, ref, *((x, weight, eps) if gate is None else (x, weight, gate, eps)))
-    tokens, heads = x.shape[0], 1 if gate is None else x.shape[1]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    w_ptr, w_type = _weight(weight)
-    p = RmsNormParams(x=x.data_ptr(), x_token_stride=x.stride(0), x_head_stride=0 if gate is None else x.stride(1),
-                      gate=gate.data_ptr() if gate is not None else None,
-                      gate_token_stride=gate.stride(0) if gate is not None else 0,
-                      gate_head_stride=gate.stride(1) if gate is not None else 0,
-                      weight=w_ptr, weight_type=w_type, out=out.data_ptr(), tokens=tokens, heads=heads,
-                      dim=x.shape[-1], eps=float(eps))
-    check(_library().k3_rms_norm(ctypes.byref(p), _stream(x)), f"k3_rms_norm (x {list(x.shape)} {x.stride()})")
-    return out
+    return reason
 
 
 def _residual_terms(residual) -> tuple[torch.Tensor, ...]:
@@ -148,6 +195,25 @@ def _residual_terms(residual) -> tuple[torch.Tensor, ...]:
     if residual is None:
         return ()
     return (residual,) if isinstance(residual, torch.Tensor) else tuple(residual)
+
+
+def _mix_operands(sources, terms, query, norm_weight) -> tuple[list, list] | str:
+    """(sources, residual terms) as the kernel reads them (dense rows), or why it cannot take them.
+    The common case, contiguous operands as the model makes them, is decided by attribute reads
+    alone; anything else by the named checks, and then copied dense."""
+    if 1 <= len(sources) <= MAX_SOURCES and len(terms) <= 2:
+        last = sources[-1]
+        shape, device = last.shape, last.device
+        if (len(shape) == 2 and shape[1] <= MAX_MIX_DIM and not shape[1] % 2 and _dense_rows(device, shape, sources)
+                and _dense_rows(device, shape, terms) and _weight_readable(device, norm_weight, shape[1])
+                and query.dtype == torch.float32 and query.device == device and query.shape == (shape[1],)
+                and query.is_contiguous()):
+            return sources, terms
+    reason = _mix_reason(sources, terms, query, norm_weight)
+    if reason is not None:
+        return reason
+    # rows with a stride: the kernel reads dense ones (the copies live until the launch)
+    return [s.contiguous() for s in sources], [r.contiguous() for r in terms]
 
 
 def _mix_reason(sources, terms, query, norm_weight) -> str | None:
@@ -173,33 +239,30 @@ def _mix_reason(sources, terms, query, norm_weight) -> str | None:
 
 
 def _mix_call(sources, terms, query, eps, norm_weight, norm_eps, rows, partial_out, round_mix):
-    """Launches the fused mix; returns the normed output rows."""
-    sources = [s.contiguous() for s in sources]  # model tensors are already: no copies
-    terms = [r.contiguous() for r in terms]  # held until the launch: a copy's pointer must stay valid
-    residual, residual2 = ([r.data_ptr() for r in terms] + [None, None])[:2]
-    out_tokens = rows.shape[0] if rows is not None else sources[0].shape[0]
-    out = torch.empty(out_tokens, sources[0].shape[1], dtype=sources[0].dtype, device=sources[0].device)
-    w_ptr, w_type = _weight(norm_weight)
-    ptrs = (_p * MAX_SOURCES)(*[s.data_ptr() for s in sources])
-    p = AttnResMixParams(sources=ptrs, num_sources=len(sources),
-                         residual=residual, residual2=residual2,
-                         partial_out=partial_out.data_ptr() if partial_out is not None else None,
-                         rows=rows.data_ptr() if rows is not None else None, query=query.data_ptr(), eps=float(eps),
-                         norm_weight=w_ptr, norm_weight_type=w_type, norm_eps=float(norm_eps),
-                         round_mix=int(round_mix), out=out.data_ptr(), out_tokens=out_tokens,
-                         dim=sources[0].shape[1])
-    check(_library().k3_attn_res_mix_norm(ctypes.byref(p), _stream(out)),
-          f"k3_attn_res_mix_norm ({len(sources)} sources {list(sources[0].shape)}, {out_tokens} rows)")
+    """Launches the fused mix over dense operands (``_mix_operands``); returns the normed output rows."""
+    residual, residual2 = ([r.data_ptr() for r in terms] + [0, 0])[:2]
+    first = sources[0]
+    out_tokens = rows.shape[0] if rows is not None else first.shape[0]
+    out = torch.empty(out_tokens, first.shape[1], dtype=first.dtype, device=first.device)
+    w_ptr, w_type = (0, _WEIGHT_NONE) if norm_weight is None else (norm_weight.data_ptr(),
+                                                                    _WEIGHT_KINDS[norm_weight.dtype])
+    ptrs = [s.data_ptr() for s in sources]
+    p = _ATTN_RES_MIX.pack(*ptrs, *_NO_SOURCES[len(ptrs):], len(ptrs), residual, residual2,
+                           partial_out.data_ptr() if partial_out is not None else 0,
+                           rows.data_ptr() if rows is not None else 0, query.data_ptr(), eps, w_ptr, w_type,
+                           norm_eps, int(round_mix), out.data_ptr(), out_tokens, first.shape[1])
+    _launch(_library().k3_attn_res_mix_norm, p, _stream(out),
+            lambda: f"k3_attn_res_mix_norm ({len(sources)} sources {list(first.shape)}, {out_tokens} rows)")
     return out
 
 
 def attn_res_mix_norm(sources, residual, query, eps, norm_weight, norm_eps):
     """``reference.attn_res_mix_norm`` in one kernel: (normed bf16 input, partial sum)."""
-    terms = _residual_terms(residual)
-    reason = _mix_reason(sources, terms, query, norm_weight)
-    if reason is not None:
-        return fall_back("attn_res_mix_norm", reason, reference.attn_res_mix_norm, sources, residual, query, eps,
+    operands = _mix_operands(sources, _residual_terms(residual), query, norm_weight)
+    if isinstance(operands, str):
+        return fall_back("attn_res_mix_norm", operands, reference.attn_res_mix_norm, sources, residual, query, eps,
                          norm_weight, norm_eps)
+    sources, terms = operands
     # without a residual the partial sum is the last source itself, and no copy is written
     partial = torch.empty_like(sources[-1]) if terms else sources[-1]
     out = _mix_call(sources, terms, query, eps, norm_weight, norm_eps, None, partial if terms else None, False)
@@ -208,14 +271,14 @@ def attn_res_mix_norm(sources, residual, query, eps, norm_weight, norm_eps):
 
 def attn_res_final_norm(sources, residual, query, eps, rows, norm_weight, norm_eps):
     """``reference.attn_res_final_norm`` in one kernel, over the ``rows`` tokens only."""
-    terms = _residual_terms(residual)
-    reason = _mix_reason(sources, terms, query, norm_weight)
-    if reason is None and (rows.dtype != torch.int32 or rows.dim() != 1 or rows.device != sources[-1].device):
-        reason = f"rows of dtype {_dtype_name(rows)} on {rows.device} (they take an int32 CUDA vector)"
-    if reason is not None:
-        return fall_back("attn_res_final_norm", reason, reference.attn_res_final_norm, sources, residual, query,
+    operands = _mix_operands(sources, _residual_terms(residual), query, norm_weight)
+    if not isinstance(operands, str) and (rows.dtype != torch.int32 or rows.dim() != 1
+                                          or rows.device != sources[-1].device):
+        operands = f"rows of dtype {_dtype_name(rows)} on {rows.device} (they take an int32 CUDA vector)"
+    if isinstance(operands, str):
+        return fall_back("attn_res_final_norm", operands, reference.attn_res_final_norm, sources, residual, query,
                          eps, rows, norm_weight, norm_eps)
-    return _mix_call(sources, terms, query, eps, norm_weight, norm_eps, rows.contiguous(), None, True)
+    return _mix_call(*operands, query, eps, norm_weight, norm_eps, rows.contiguous(), None, True)
 
 
 SIGMOID_GATE = 2  # K3_GLU_SIGMOID_GATE
@@ -232,17 +295,19 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 
 def _glu(op, ref, gate, up, activation, beta, linear_beta):
-    reason = _why_not({"gate": gate, "up": up}, {})
-    if reason is None and (gate.dim() != 2 or gate.shape != up.shape):
-        reason = f"gate {list(gate.shape)} and up {list(up.shape)} (they take two [T, n] views of one shape)"
-    if reason is None and (gate.shape[1] % 2 or (activation == 1 and beta == 0.0)):
-        reason = f"an odd width ({gate.shape[1]}) or SiTU beta 0"
-    if reason is not None:
-        return fall_back(op, reason, ref, gate, up, activation, beta, linear_beta)
-    tokens, inter = gate.shape
-    out = torch.empty(tokens, inter, dtype=gate.dtype, device=gate.device)
-    p = GluParams(gate=gate.data_ptr(), up=up.data_ptr(), gate_row_stride=gate.stride(0), up_row_stride=up.stride(0),
-                  out=out.data_ptr(), tokens=tokens, inter=inter, activation=int(activation), beta=float(beta),
-                  linear_beta=float(linear_beta))
-    check(_library().k3_glu(ctypes.byref(p), _stream(out)), f"k3_glu ({op}, {list(gate.shape)})")
+    shape, device = gate.shape, gate.device
+    if not (len(shape) == 2 and up.shape == shape and not shape[1] % 2 and not (activation == 1 and beta == 0.0)
+            and _readable(device, (gate, up))):
+        reason = _why_not({"gate": gate, "up": up}, {})
+        if reason is None and (gate.dim() != 2 or gate.shape != up.shape):
+            reason = f"gate {list(gate.shape)} and up {list(up.shape)} (they take two [T, n] views of one shape)"
+        if reason is None and (gate.shape[1] % 2 or (activation == 1 and beta == 0.0)):
+            reason = f"an odd width ({gate.shape[1]}) or SiTU beta 0"
+        if reason is not None:
+            return fall_back(op, reason, ref, gate, up, activation, beta, linear_beta)
+    tokens, inter = shape
+    out = torch.empty(tokens, inter, dtype=gate.dtype, device=device)
+    p = _GLU.pack(gate.data_ptr(), up.data_ptr(), gate.stride(0), up.stride(0), out.data_ptr(), tokens, inter,
+                  int(activation), beta, linear_beta)
+    _launch(_library().k3_glu, p, _stream(out), lambda: f"k3_glu ({op}, {list(gate.shape)})")
     return out

@@ -1,13 +1,15 @@
-// chunk_walk_kernel: one CTA (4 warps) per (sequence, head, BV value columns) walks the
-// sequence's chunks (chunk.cuh has the overview). Its D x BV slice of the fp32 state lives
-// in the accumulator registers of the state update; a bf16 copy in shared memory is the
-// operand of the next chunk's products. With two stages (NS = 2, long sequences) the operands
-// of chunk c+1 are copied (cp.async) while chunk c is computed, one CTA per SM; with one
-// stage (short sequences: the per-CTA start and end dominate) two CTAs share an SM and
-// overlap each other's copies instead. Per chunk:
-//   P1  U' = U − W·S and O = (Q⊙e^Γ)·S    (warp w: rows 16w..16w+15)
+// chunk_walk_kernel: one CTA per (sequence, head, G·BV value columns) walks the sequence's
+// chunks (chunk.cuh has the overview): G groups of 4 warps, group g on value columns
+// [g·BV, (g+1)·BV) of the CTA's, sharing one copy of the chunk's operands (G = 2: twice the
+// warps on the same operand traffic and the same number of CTAs as one group of 2·BV columns).
+// A group's D x BV slice of the fp32 state lives in the accumulator registers of its state
+// update; a bf16 copy in shared memory is the operand of the next chunk's products. With two
+// stages (NS = 2, long sequences) the operands of chunk c+1 are copied (cp.async) while chunk c
+// is computed, one CTA per SM; with one stage (short sequences: the per-CTA start and end
+// dominate) two CTAs share an SM and overlap each other's copies instead. Per chunk:
+//   P1  U' = U − W·S and O = (Q⊙e^Γ)·S    (warp w of a group: rows 16w..16w+15)
 //   P2  O += A_qk·U'                       (same rows; A_qk is causal)
-//   P3  S ← e^{Γn}⊙S + (K⊙e^{Γn−Γ})ᵀ·U'    (16 x 16 state tiles spread over the warps)
+//   P3  S ← e^{Γn}⊙S + (K⊙e^{Γn−Γ})ᵀ·U'    (16 x 16 state tiles spread over a group's warps)
 #pragma once
 
 #include "k3/kda/chunk.cuh"
@@ -34,26 +36,26 @@ struct WalkLayout {
   static constexpr size_t BYTES = (size_t)(UP + kChunk * LV) * 2;
 };
 
-// One chunk's operands (BV value columns `vt` of U) into a stage; 16-byte cp.async each.
-template <int D, int BV>
+// One chunk's operands (BV value columns `vt` of U) into a stage; 16-byte cp.async each, by NT threads.
+template <int D, int BV, int NT>
 __device__ __forceinline__ void load_stage(__nv_bfloat16* st, const __nv_bfloat16* w, int vt) {
   using Lay = WalkLayout<D, BV, 1>;
   using Work = ChunkWork<D>;
   constexpr int RC = D / 8;  // 16-byte pieces per row
   // Q⊙e^Γ, W, K⊙e^{Γn−Γ}: consecutive [64][D] matrices in both places
-  for (int idx = threadIdx.x; idx < 3 * kChunk * RC; idx += kWalkThreads) {
+  for (int idx = threadIdx.x; idx < 3 * kChunk * RC; idx += NT) {
     const int r = idx / RC, c = (idx % RC) * 8;  // r runs over the 3 x 64 rows
     cp_async16(st + Lay::QE + r * Lay::LB + c, w + Work::QE + r * D + c);
   }
-  for (int idx = threadIdx.x; idx < kChunk * (kChunk / 8); idx += kWalkThreads) {
+  for (int idx = threadIdx.x; idx < kChunk * (kChunk / 8); idx += NT) {
     const int r = idx / (kChunk / 8), c = (idx % (kChunk / 8)) * 8;
     cp_async16(st + Lay::AQK + r * Lay::LAB + c, w + Work::AQK + r * kChunk + c);
   }
-  for (int idx = threadIdx.x; idx < kChunk * (BV / 8); idx += kWalkThreads) {
+  for (int idx = threadIdx.x; idx < kChunk * (BV / 8); idx += NT) {
     const int r = idx / (BV / 8), c = (idx % (BV / 8)) * 8;
     cp_async16(st + Lay::U + r * Lay::LV + c, w + Work::U + r * D + vt * BV + c);
   }
-  for (int idx = threadIdx.x; idx < D / 4; idx += kWalkThreads)
+  for (int idx = threadIdx.x; idx < D / 4; idx += NT)
     cp_async16(st + Lay::DECAY + idx * 8, w + Work::DECAY + idx * 8);
   cp_async_commit();
 }
@@ -79,15 +81,17 @@ __device__ __forceinline__ void store_state(float* dst, const float (&accS)[SU][
   }
 }
 
-template <int D, int BV, int NS>
-__global__ void __launch_bounds__(kWalkThreads, 3 - NS)
+template <int D, int BV, int NS, int G>
+__global__ void __launch_bounds__(kWalkThreads * G, 3 - NS)
     chunk_walk_kernel(Params p, const __nv_bfloat16* work, const int* starts) {
   static_assert(BV == 16 || BV == 32, "value tile of 16 or 32 columns");
   static_assert(NS == 1 || NS == 2, "one or two operand stages");
-  using Lay = WalkLayout<D, BV, NS>;
+  static_assert(G == 1 || G == 2, "one or two groups of 4 warps");
+  constexpr int NT = kWalkThreads * G, CV = G * BV;  // threads, value columns of the CTA
+  using Lay = WalkLayout<D, CV, NS>;
   using Work = ChunkWork<D>;
   constexpr int LB = Lay::LB, LAB = Lay::LAB, LV = Lay::LV;
-  constexpr int NVT = D / BV, NP = BV / 16;
+  constexpr int NVT = D / CV, NP = BV / 16;
   constexpr int TILES = (D / 16) * NP, SU = (TILES + 3) / 4;  // state tiles, per warp
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);
@@ -100,15 +104,17 @@ __global__ void __launch_bounds__(kWalkThreads, 3 - NS)
   if (eos <= bos) return;
   const int slot = p.state_slots[b];
   const bool continues = p.has_initial_state[b] != 0;
-  const int warp = threadIdx.x / 32;
+  const int warp = threadIdx.x / 32 % 4, cg = threadIdx.x / kWalkThreads * BV;  // group's columns
   const int first = starts[b], chunks = (eos - bos + kChunk - 1) / kChunk;
   const __nv_bfloat16* w0 = work + ((int64_t)first * H + h) * Work::ELEMS;
-  if (NS == 2) load_stage<D, BV>(smem, w0, vt);
+  if (NS == 2) load_stage<D, CV, NT>(smem, w0, vt);
 
-  float* state = p.recurrent_state + ((int64_t)slot * H + h) * D * D + vt * BV;
-  // prefix-cache snapshot points of this sequence, in increasing order: the next one
+  float* state = p.recurrent_state + ((int64_t)slot * H + h) * D * D + vt * CV + cg;
+  // prefix-cache snapshot points of this sequence, in increasing order: the next one (none when
+  // the chunk table found a bad entry in the step)
   const int* snap_at = p.snapshot_offsets + (int64_t)b * p.snapshot_width;
-  int snap = 0, snap_tokens = p.snapshot_width > 0 ? snap_at[0] : -1;
+  const bool snapshots = p.snapshot_width > 0 && starts[p.num_seqs + 1] != kSnapshotsBad;
+  int snap = 0, snap_tokens = snapshots ? snap_at[0] : -1;
   float accS[SU][2][4];
 #pragma unroll
   for (int i = 0; i < SU; ++i) {
@@ -124,19 +130,19 @@ __global__ void __launch_bounds__(kWalkThreads, 3 - NS)
                                    : make_float2(0.f, 0.f);
         accS[i][nt][2 * half] = x.x;
         accS[i][nt][2 * half + 1] = x.y;
-        *reinterpret_cast<__nv_bfloat162*>(sS + r * LV + c) = pack_bf16(x.x, x.y);
+        *reinterpret_cast<__nv_bfloat162*>(sS + r * LV + cg + c) = pack_bf16(x.x, x.y);
       }
   }
 
   for (int chunk = 0; chunk < chunks; ++chunk) {
     if (NS == 1) {
       if (chunk > 0) __syncthreads();  // every warp is done with the stage
-      load_stage<D, BV>(smem, w0 + (int64_t)chunk * H * Work::ELEMS, vt);
+      load_stage<D, CV, NT>(smem, w0 + (int64_t)chunk * H * Work::ELEMS, vt);
     }
     cp_async_wait_all();
     __syncthreads();  // stage `chunk` and the state copy visible; the other stage free
     if (NS == 2 && chunk + 1 < chunks)
-      load_stage<D, BV>(smem + ((chunk + 1) & 1) * Lay::STAGE,
+      load_stage<D, CV, NT>(smem + ((chunk + 1) & 1) * Lay::STAGE,
                         w0 + (int64_t)(chunk + 1) * H * Work::ELEMS, vt);
     const __nv_bfloat16* st = smem + (NS == 2 ? (chunk & 1) * Lay::STAGE : 0);
     const int t0 = bos + chunk * kChunk, n = min(kChunk, eos - t0);
@@ -151,7 +157,7 @@ __global__ void __launch_bounds__(kWalkThreads, 3 - NS)
 #pragma unroll
       for (int np = 0; np < NP; ++np) {
         uint32_t bs[4];
-        load_b_kn(bs, sS, LV, k0, 16 * np);
+        load_b_kn(bs, sS, LV, k0, cg + 16 * np);
         mma_16x16(accW[np], aw, bs);
         mma_16x16(accO[np], aq, bs);
       }
@@ -164,8 +170,8 @@ __global__ void __launch_bounds__(kWalkThreads, 3 - NS)
         for (int half = 0; half < 2; ++half) {
           const int r = 16 * warp + acc_row(2 * half), c = 16 * np + 8 * nt + acc_col(0);
           const float2 u = __bfloat1622float2(
-              *reinterpret_cast<const __nv_bfloat162*>(st + Lay::U + r * LV + c));
-          *reinterpret_cast<__nv_bfloat162*>(sU + r * LV + c) =
+              *reinterpret_cast<const __nv_bfloat162*>(st + Lay::U + r * LV + cg + c));
+          *reinterpret_cast<__nv_bfloat162*>(sU + r * LV + cg + c) =
               pack_bf16(u.x - accW[np][nt][2 * half], u.y - accW[np][nt][2 * half + 1]);
         }
     __syncthreads();  // U' complete; every warp is done with the state copy
@@ -177,7 +183,7 @@ __global__ void __launch_bounds__(kWalkThreads, 3 - NS)
 #pragma unroll
       for (int np = 0; np < NP; ++np) {
         uint32_t bu[4];
-        load_b_kn(bu, sU, LV, k0, 16 * np);
+        load_b_kn(bu, sU, LV, k0, cg + 16 * np);
         mma_16x16(accO[np], aa, bu);
       }
     }
@@ -189,7 +195,7 @@ __global__ void __launch_bounds__(kWalkThreads, 3 - NS)
         for (int half = 0; half < 2; ++half) {
           const int r = 16 * warp + acc_row(2 * half), c = 16 * np + 8 * nt + acc_col(0);
           if (r < n)
-            *reinterpret_cast<__nv_bfloat162*>(p.out + (int64_t)(t0 + r) * P + h * D + vt * BV + c) =
+            *reinterpret_cast<__nv_bfloat162*>(p.out + (int64_t)(t0 + r) * P + h * D + vt * CV + cg + c) =
                 pack_bf16(accO[np][nt][2 * half], accO[np][nt][2 * half + 1]);
         }
 
@@ -212,7 +218,7 @@ __global__ void __launch_bounds__(kWalkThreads, 3 - NS)
       for (int k0 = 0; k0 < kChunk; k0 += 16) {
         uint32_t ak[4], bu[4];
         load_a_trans(ak, st + Lay::KD, LB, m0, k0);
-        load_b_kn(bu, sU, LV, k0, n0);
+        load_b_kn(bu, sU, LV, k0, cg + n0);
         mma_16x16(accS[i], ak, bu);
       }
 #pragma unroll
@@ -220,15 +226,14 @@ __global__ void __launch_bounds__(kWalkThreads, 3 - NS)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int r = m0 + acc_row(2 * half), c = n0 + 8 * nt + acc_col(0);
-          *reinterpret_cast<__nv_bfloat162*>(sS + r * LV + c) =
+          *reinterpret_cast<__nv_bfloat162*>(sS + r * LV + cg + c) =
               pack_bf16(accS[i][nt][2 * half], accS[i][nt][2 * half + 1]);
         }
     }
     // the state after this chunk is the one at a snapshot point asking for it (uniform branch)
     if (snap_tokens == t0 - bos + n) {
-      const int dst_row = p.snapshot_rows[(int64_t)b * p.snapshot_width + snap];
-      if (dst_row >= 0 && dst_row < p.snapshot_slots)
-        store_state<D, NP, SU>(p.snapshot_recurrent + ((int64_t)dst_row * H + h) * D * D + vt * BV, accS, warp);
+      const int dst_row = p.snapshot_rows[(int64_t)b * p.snapshot_width + snap];  // in bounds: checked
+      store_state<D, NP, SU>(p.snapshot_recurrent + ((int64_t)dst_row * H + h) * D * D + vt * CV + cg, accS, warp);
       snap_tokens = ++snap < p.snapshot_width ? snap_at[snap] : -1;
     }
   }

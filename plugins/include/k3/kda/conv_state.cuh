@@ -30,15 +30,16 @@ __global__ void conv_state_kernel(Params p, int P3) {
 
 // Conv state at each prefix-cache snapshot point o of a sequence (one z-slice of the grid per
 // entry of snapshot_offsets): the W-1 raw inputs before token o, from the old conv state where
-// they precede the step. Runs before conv_state_kernel overwrites that state.
+// they precede the step. Runs before the kernel that overwrites that state. `verdict`: the chunk
+// table's snapshot word (chunk.cuh); with a bad entry anywhere in the step it writes nothing, and
+// the checked points and rows are in bounds.
 template <int W>
-__global__ void conv_snapshot_kernel(Params p, int P3) {
+__global__ void conv_snapshot_kernel(Params p, int P3, const int* verdict) {
   const int b = blockIdx.y, n = blockIdx.z, ch = blockIdx.x * blockDim.x + threadIdx.x;
   const int at = b * p.snapshot_width + n;
-  const int o = p.snapshot_offsets[at], row = p.snapshot_rows[at];
-  const int bos = p.cu_seqlens[b], len = p.cu_seqlens[b + 1] - bos;
-  // the op's checks (reference) reject bad points; the kernel only never writes out of bounds
-  if (ch >= P3 || o <= 0 || o > len || row < 0 || row >= p.snapshot_slots) return;
+  const int o = p.snapshot_offsets[at];
+  if (ch >= P3 || o < 0 || *verdict != 0) return;
+  const int row = p.snapshot_rows[at], bos = p.cu_seqlens[b];
   const bool continues = p.has_initial_state[b] != 0;
   const __nv_bfloat16* old = p.conv_state + ((int64_t)p.state_slots[b] * P3 + ch) * (W - 1);
   __nv_bfloat16* dst = p.snapshot_conv + ((int64_t)row * P3 + ch) * (W - 1);

@@ -6,7 +6,8 @@
 // recurrent_kernel (prefill fallback, softplus gate): one CTA per (sequence, head) owns
 // that head's D x D fp32 state in registers and the 3D conv channels of the head, so the
 // conv state is updated in place by the same CTA that read it. The state loads are issued
-// first, right after the one round trip that fetches the sequence's slot.
+// first, right after the one round trip that fetches the sequence's slot. As a prefill it
+// also writes the prefix-cache snapshots' recurrent rows (the conv rows: conv_snapshot_kernel).
 //
 // decode_kernel (k3_kda_decode): at decode the state read + write is the whole cost, and a
 // CTA per item pays the chain indices → state → compute → store once per 64 KiB with only
@@ -146,8 +147,26 @@ struct CtaSync {
   __device__ void operator()() const { __syncthreads(); }
 };
 
+// The state of S's owner threads (StateTile layout) to a D x D row-major block.
+template <int D, int NT>
+__device__ __forceinline__ void store_state_tile(
+    float* dst, const float (&S)[StateTile<D, NT>::RK][StateTile<D, NT>::VPL]) {
+  using Tile = StateTile<D, NT>;
+  const int k0 = threadIdx.x / 32 * Tile::RK, v0 = threadIdx.x % 32 * Tile::VPL;
+#pragma unroll
+  for (int i = 0; i < Tile::RK; ++i) {
+    typename Tile::Vec x;
+    float* xf = reinterpret_cast<float*>(&x);
+#pragma unroll
+    for (int j = 0; j < Tile::VPL; ++j) xf[j] = S[i][j];
+    *reinterpret_cast<typename Tile::Vec*>(dst + (k0 + i) * D + v0) = x;
+  }
+}
+
+// `snapshot_verdict`: the chunk table's snapshot word (chunk.cuh) for a prefill that takes
+// snapshots, null for none (decode).
 template <int D, int W>
-__global__ void __launch_bounds__(kRecThreads, 2) recurrent_kernel(Params p) {
+__global__ void __launch_bounds__(kRecThreads, 2) recurrent_kernel(Params p, const int* snapshot_verdict) {
   using Tile = StateTile<D, kRecThreads>;
   constexpr int RK = Tile::RK, VPL = Tile::VPL, kChanIters = Tile::kChanIters;
   using Vec = typename Tile::Vec;
@@ -186,6 +205,10 @@ __global__ void __launch_bounds__(kRecThreads, 2) recurrent_kernel(Params p) {
           ? __bfloat162float(p.conv_state[((int64_t)slot * P3 + chan[it]) * (W - 1) + j]) : 0.f;
   }
   const float a_h = expf(p.A_log[h]);
+  // prefix-cache snapshot points of this sequence (checked, increasing): the next one
+  const int* snap_at = p.snapshot_offsets + (int64_t)b * p.snapshot_width;
+  const bool snapshots = snapshot_verdict != nullptr && p.snapshot_width > 0 && *snapshot_verdict == 0;
+  int snap = 0, snap_tokens = snapshots ? snap_at[0] : -1;
 
   for (int t = bos; t < eos; ++t) {
 #pragma unroll
@@ -202,16 +225,14 @@ __global__ void __launch_bounds__(kRecThreads, 2) recurrent_kernel(Params p) {
     }
     if (threadIdx.x == 0) sm.beta = sigmoid(__bfloat162float(p.beta[(int64_t)t * H + h]));
     delta_rule_step<D, kRecThreads>(S, sm, p.out + (int64_t)t * P + h * D, CtaSync{});
+    if (t + 1 - bos == snap_tokens) {  // uniform: every thread stores its own registers
+      const int row = p.snapshot_rows[(int64_t)b * p.snapshot_width + snap];  // in bounds: checked
+      store_state_tile<D, kRecThreads>(p.snapshot_recurrent + ((int64_t)row * H + h) * D * D, S);
+      snap_tokens = ++snap < p.snapshot_width ? snap_at[snap] : -1;
+    }
   }
 
-#pragma unroll
-  for (int i = 0; i < RK; ++i) {
-    Vec x;
-    float* xf = reinterpret_cast<float*>(&x);
-#pragma unroll
-    for (int j = 0; j < VPL; ++j) xf[j] = S[i][j];
-    *reinterpret_cast<Vec*>(state + (k0 + i) * D + v0) = x;
-  }
+  store_state_tile<D, kRecThreads>(state, S);
 #pragma unroll
   for (int it = 0; it < kChanIters; ++it) {
     if (chan[it] < 0) continue;
@@ -262,10 +283,17 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
 // of the same lines, ~2 items later, find them in L2 (session 16: +2.5 points of copy at
 // B=256; K3_KDA_DEC_NO_EVICT_LAST, measurement, turns it off). Measurement switches:
 // K3_KDA_DEC_STORE_EVICT_FIRST marks the state stores evict-first (written lines leave L2
-// first), K3_KDA_DEC_STAGES sets the ring depth.
+// first), K3_KDA_DEC_STAGES sets the ring depth, K3_KDA_DEC_EVICT_LAST_FRACTION the share of
+// the copied lines marked evict-last (a PTX float literal, default 1.0).
+#ifndef K3_KDA_DEC_EVICT_LAST_FRACTION
+#define K3_KDA_DEC_EVICT_LAST_FRACTION 1.0
+#endif
+#define K3_KDA_STR2(x) #x
+#define K3_KDA_STR(x) K3_KDA_STR2(x)
 __device__ __forceinline__ uint64_t l2_policy_evict_last() {
   uint64_t pol;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, " K3_KDA_STR(K3_KDA_DEC_EVICT_LAST_FRACTION) ";"
+               : "=l"(pol));
   return pol;
 }
 __device__ __forceinline__ uint64_t l2_policy_evict_first() {

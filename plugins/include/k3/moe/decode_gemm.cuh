@@ -392,60 +392,211 @@ __device__ __forceinline__ FragmentPos fragment_pos(int t, int c) {
   return {lane / 4 + 8 * (c / 2), 8 * t + 2 * (lane % 4) + c % 2};
 }
 
-// grid (max tiles of 8·kTiles rows, I / kDecodeFeatures): h[row] = glu(z[token(row)] · w1ᵀ, · w3ᵀ).
+// The decode GEMVs run one wave of `target` CTAs (SMs x CTAs per SM: 528 on the H200 with 8-row
+// tiles), each looping over work items (blockIdx.x, then decode_next_item's): no spare CTAs past the
+// wave (each would fill its 33 KB table and, launched after the others, delay the programmatic
+// launch of the next kernel), one table fill per CTA. Items are (M tile, column block) pairs,
+// split over K when that evens out the wave: decode at one EP rank touches 1-3 of its experts
+// per layer at batch 1, whose pairs alone (96-144 for gate_up) would leave most of the GPU idle
+// while each CTA streams at a few GB/s (bytes in flight per warp, see above). Then each pair's K
+// range is cut into `splits` chunks of whole register stages, the split count minimising
+// rounds x (chunk length + 1 stage). Each split CTA stores its fp32 accumulators (L2, in the
+// workspace), counts its arrival with an integer atomic, and the pair's last CTA sums the
+// splits' partials in split order, 0 first, then runs the epilogue: the bits do not depend on
+// which CTA finished last, and splits == 1 is the unsplit kernel's arithmetic exactly. The split
+// count follows the tile count (read on the device), so a forward's bits depend on its input alone.
+constexpr int kSplitMax = 16;
+static_assert(2 * 2 * 4 <= kSplitAccMax, "gate_up's accumulators of two n tiles fit a partial slot");
+
+struct DecodeWork {
+  TileInfo t;
+  int col;           // column block (kDecodeFeatures output features per matrix)
+  int pair;          // tile * cols + col
+  int split, splits; // this CTA's K chunk of the pair's splits
+  int slab0, nslab;  // the chunk's slabs of K
+};
+
+// The pair count and the split of K for this GEMV (the same in every CTA): splits and slabs per
+// chunk (a multiple of U, the register stage / bf16 block).
+struct DecodeSplit {
+  int pairs, splits, per;
+};
+template <int U, int N>
+__device__ __forceinline__ DecodeSplit decode_split(const Schedule& s, int cols, int target, int nslab) {
+  DecodeSplit d{*s.num_tiles * cols, 1, nslab};
+#ifdef K3_MOE_DECODE_NO_SPLIT  // A/B builds: the loop without the split
+  return d;
+#endif
+  if (d.pairs == 0 || d.pairs > kSplitCounters || nslab % U != 0 || s.split_part == nullptr) return d;
+  const int units = nslab / U, cap = units < kSplitMax ? units : kSplitMax;
+  constexpr int64_t kMaxItems = (int64_t)kSplitItemsMax * kSplitAccMax / N;  // partial slots of N floats
+  // Cost: rounds x (chunk length + one stage for an item's pipeline start and partials).
+  int best = (d.pairs + target - 1) / target * (units + 1);
+  for (int want = 2; want <= cap; ++want) {
+    const int per_units = (units + want - 1) / want, splits = (units + per_units - 1) / per_units;
+    const int64_t items = (int64_t)d.pairs * splits;
+    if (items > kMaxItems) break;
+    const int cost = (int)((items + target - 1) / target) * (per_units + 1);
+    if (cost < best) {  // ties keep fewer splits (less partial traffic)
+      best = cost;
+      d.splits = splits;
+      d.per = per_units * U;
+    }
+  }
+  return d;
+}
+
+// Work item `id` of the split d; false past the last item.
+__device__ __forceinline__ bool decode_work(const Schedule& s, const DecodeSplit& d, int bm, int cols, int nslab,
+                                            int id, DecodeWork& w) {
+  if (id >= d.pairs * d.splits) return false;
+  w.splits = d.splits;
+  w.pair = id / d.splits;
+  w.col = w.pair % cols;
+  const int tile = w.pair / cols;
+  w.t.expert = s.tile_expert[tile];
+  w.t.row0 = s.tile_row[tile];
+  const int end = s.offsets[w.t.expert + 1];
+  w.t.rows = end - w.t.row0 < bm ? end - w.t.row0 : bm;
+  w.split = id % d.splits;
+  w.slab0 = w.split * d.per;
+  w.nslab = nslab - w.slab0 < d.per ? nslab - w.slab0 : d.per;
+  return true;
+}
+
+// The CTA's next work item after its first (blockIdx.x): handed out in order by the GEMV's
+// counter (which = 0 gate_up, 1 down), so CTAs that finish early take the rest, as the block
+// scheduler would give spare CTAs (a static stride left the items of a wave and a half on the
+// SMs of the first CTAs). Which CTA runs an item changes no bit of it. No counter (split_count
+// nullptr): the static stride.
+__device__ __forceinline__ int decode_next_item(const Schedule& s, int which, int id, int* next) {
+  if (s.split_count == nullptr) return id + gridDim.x;
+  __syncthreads();  // every thread has read *next
+  if (threadIdx.x == 0) *next = gridDim.x + atomicAdd(s.split_count + kSplitCounters + which, 1);
+  __syncthreads();
+  return *next;
+}
+
+// Moves a lane's operands to slab `slab0` of K.
+template <class S, int kMats, int kTiles>
+__device__ __forceinline__ void decode_advance(DecodeOperands<kMats, kTiles>& op, int slab0) {
+  const int64_t s0 = slab0;
+#pragma unroll
+  for (int mat = 0; mat < kMats; ++mat)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      op.w[mat][h] += s0 * S::kRowBytes;
+      if constexpr (S::kMx) op.scale[mat][h] += s0 * (S::kWidth / kMxGroup);
+    }
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t)
+    if (op.x[t] != nullptr) op.x[t] += s0 * S::kWidth;
+}
+
+// Split CTAs: store acc, count the arrival; the last CTA of the pair replaces acc by the sum of
+// all splits' partials in split order and returns true (the others false). splits == 1: true.
+template <int N>
+__device__ __forceinline__ bool decode_split_reduce(float (&acc)[N], const Schedule& s, const DecodeWork& w) {
+  static_assert(N % 4 == 0 && N <= kSplitAccMax, "partials are stored as float4");
+  if (w.splits == 1) return true;
+  float* base = s.split_part + (int64_t)w.pair * w.splits * kDecodeThreads * N;
+  float4* mine = reinterpret_cast<float4*>(base + ((int64_t)w.split * kDecodeThreads + threadIdx.x) * N);
+#pragma unroll
+  for (int i = 0; i < N / 4; ++i) __stcg(mine + i, make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
+  __threadfence();  // the partials are visible device-wide before the arrival is counted
+  __syncthreads();  // every thread's partials, not only thread 0's
+  int old = 0;
+  if (threadIdx.x == 0) old = atomicAdd(s.split_count + w.pair, 1);
+  if (!__syncthreads_or(threadIdx.x == 0 && old == w.splits - 1)) return false;
+  if (threadIdx.x == 0) s.split_count[w.pair] = 0;  // every split has arrived: ready for the next GEMV
+  __threadfence();
+  for (int sp = 0; sp < w.splits; ++sp) {
+    const float4* p = reinterpret_cast<const float4*>(base + ((int64_t)sp * kDecodeThreads + threadIdx.x) * N);
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      const float4 v = __ldcg(p + i);  // L2: written by other SMs
+      if (sp == 0) {
+        acc[4 * i] = v.x, acc[4 * i + 1] = v.y, acc[4 * i + 2] = v.z, acc[4 * i + 3] = v.w;
+      } else {
+        acc[4 * i] += v.x, acc[4 * i + 1] += v.y, acc[4 * i + 2] += v.z, acc[4 * i + 3] += v.w;
+      }
+    }
+  }
+  return true;
+}
+
+// grid: target CTAs (one wave, decode_split_target): h[row] = glu(z[token(row)] · w1ᵀ, · w3ᵀ).
 // kElems: the slab (DecodeSlab); MXFP4's wide one needs decode_wide_applies(L).
 template <bool kMxfp4, int kTiles, int kElems>
 __global__ void __launch_bounds__(kDecodeThreads, decode_min_blocks(kTiles)) gate_up_decode_kernel(const __nv_bfloat16* __restrict__ z,
                                                                         ExpertWeights w13,
                                                                         __nv_bfloat16* __restrict__ h, Schedule s,
-                                                                        int L, int I, GluParams act) {
+                                                                        int L, int I, GluParams act, int target) {
   using S = DecodeSlab<kMxfp4, kElems>;
+  constexpr int N = 2 * kTiles * 4;
   __shared__ DecodeShared<kMxfp4> sm;
   decode_prologue(sm);  // the schedule and z come from the kernels before
-  TileInfo t;
-  if (!tile_info(s, 8 * kTiles, t)) return;
-  const int f0 = blockIdx.y * kDecodeFeatures + threadIdx.x / 32 * 16;
-  auto op = decode_operands<2, kTiles, S>(w13, 2 * (int64_t)t.expert * I + f0, I, L);
-  attach_table_and_rows<S>(op, sm, t, [&](int row) { return z + (int64_t)s.sorted_token[row] * L; });
-  float acc[2][kTiles][4] = {};
-  decode_mainloop<2, kTiles, S>(acc, op, L / S::kWidth);
+  const int cols = I / kDecodeFeatures, nslab = L / S::kWidth;
+  const DecodeSplit d = decode_split<decode_unroll<2, S>(), N>(s, cols, target, nslab);
+  DecodeWork w;
+  __shared__ int next;
+  for (int id = blockIdx.x; decode_work(s, d, 8 * kTiles, cols, nslab, id, w);
+       id = decode_next_item(s, 0, id, &next)) {
+    const TileInfo& t = w.t;
+    const int f0 = w.col * kDecodeFeatures + threadIdx.x / 32 * 16;
+    auto op = decode_operands<2, kTiles, S>(w13, 2 * (int64_t)t.expert * I + f0, I, L);
+    attach_table_and_rows<S>(op, sm, t, [&](int row) { return z + (int64_t)s.sorted_token[row] * L; });
+    decode_advance<S>(op, w.slab0);
+    float acc[2][kTiles][4] = {};
+    decode_mainloop<2, kTiles, S>(acc, op, w.nslab);
+    if (!decode_split_reduce(reinterpret_cast<float(&)[N]>(acc), s, w)) continue;
 #pragma unroll
-  for (int i = 0; i < kTiles; ++i)
+    for (int i = 0; i < kTiles; ++i)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const FragmentPos p = fragment_pos(i, c);
-      if (p.row < t.rows)
-        h[(int64_t)(t.row0 + p.row) * I + f0 + p.feature] = __float2bfloat16_rn(glu(acc[0][i][c], acc[1][i][c], act));
-    }
+      for (int c = 0; c < 4; ++c) {
+        const FragmentPos p = fragment_pos(i, c);
+        if (p.row < t.rows)
+          h[(int64_t)(t.row0 + p.row) * I + f0 + p.feature] = __float2bfloat16_rn(glu(acc[0][i][c], acc[1][i][c], act));
+      }
+  }
 }
 
-// grid (max tiles of 8·kTiles rows, L / kDecodeFeatures): part[row] = weight(row) · h[row] · w2ᵀ in
-// fp32, one partial row per (token, slot) assignment; combine_kernel sums them in slot order.
-// kElems: as gate_up_decode_kernel's, with decode_wide_applies(I).
+// grid: target CTAs (one wave): part[row] = weight(row) · h[row] · w2ᵀ in fp32, one partial row
+// per (token, slot) assignment; combine_kernel sums them in slot order. kElems: as
+// gate_up_decode_kernel's, with decode_wide_applies(I).
 template <bool kMxfp4, int kTiles, int kElems>
 __global__ void __launch_bounds__(kDecodeThreads, decode_min_blocks(kTiles)) down_decode_kernel(const __nv_bfloat16* __restrict__ h,
                                                                      ExpertWeights w2, float* __restrict__ part,
-                                                                     Schedule s, int L, int I) {
+                                                                     Schedule s, int L, int I, int target) {
   using S = DecodeSlab<kMxfp4, kElems>;
+  constexpr int N = kTiles * 4;
   __shared__ DecodeShared<kMxfp4> sm;
   decode_prologue(sm);  // the schedule and h come from the kernels before
-  TileInfo t;
-  if (!tile_info(s, 8 * kTiles, t)) return;
-  const int f0 = blockIdx.y * kDecodeFeatures + threadIdx.x / 32 * 16;
-  auto op = decode_operands<1, kTiles, S>(w2, (int64_t)t.expert * L + f0, 0, I);
-  attach_table_and_rows<S>(op, sm, t, [&](int row) { return h + (int64_t)row * I; });
-  float acc[1][kTiles][4] = {};
-  decode_mainloop<1, kTiles, S>(acc, op, I / S::kWidth);
+  const int cols = L / kDecodeFeatures, nslab = I / S::kWidth;
+  const DecodeSplit d = decode_split<decode_unroll<1, S>(), N>(s, cols, target, nslab);
+  DecodeWork w;
+  __shared__ int next;
+  for (int id = blockIdx.x; decode_work(s, d, 8 * kTiles, cols, nslab, id, w);
+       id = decode_next_item(s, 1, id, &next)) {
+    const TileInfo& t = w.t;
+    const int f0 = w.col * kDecodeFeatures + threadIdx.x / 32 * 16;
+    auto op = decode_operands<1, kTiles, S>(w2, (int64_t)t.expert * L + f0, 0, I);
+    attach_table_and_rows<S>(op, sm, t, [&](int row) { return h + (int64_t)row * I; });
+    decode_advance<S>(op, w.slab0);
+    float acc[1][kTiles][4] = {};
+    decode_mainloop<1, kTiles, S>(acc, op, w.nslab);
+    if (!decode_split_reduce(reinterpret_cast<float(&)[N]>(acc), s, w)) continue;
 #pragma unroll
-  for (int i = 0; i < kTiles; ++i)
+    for (int i = 0; i < kTiles; ++i)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const FragmentPos p = fragment_pos(i, c);
-      if (p.row < t.rows) {
-        const int row = t.row0 + p.row;
-        part[(int64_t)row * L + f0 + p.feature] = s.sorted_weight[row] * acc[0][i][c];
+      for (int c = 0; c < 4; ++c) {
+        const FragmentPos p = fragment_pos(i, c);
+        if (p.row < t.rows) {
+          const int row = t.row0 + p.row;
+          part[(int64_t)row * L + f0 + p.feature] = s.sorted_weight[row] * acc[0][i][c];
+        }
       }
-    }
+  }
 }
 
 }  // namespace moe

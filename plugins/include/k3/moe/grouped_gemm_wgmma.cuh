@@ -7,10 +7,9 @@
 // matching 128 up rows, so the GLU is an epilogue in registers; down: 256 output columns),
 // BK = 64 (one 128-byte swizzled row per operand row), kWgStages shared-memory stages.
 // Three warpgroups: warpgroup 0 produces (cp.async: A rows gathered through sorted_token,
-// which the bulk tensor copy cannot do on sm_90; weight rows likewise, or the packed MXFP4
-// bytes into a raw ring), warpgroups 1 and 2 each issue m64n256k16 on 64 of the rows. MXFP4:
-// while the MMAs of k-step kt run, the 256 consumer threads dequantise k-step kt+1's raw bytes
-// (one weight row each) into its swizzled bf16 tile, so the producer stays a pure copy engine.
+// which the bulk tensor copy cannot do on sm_90; weight rows likewise), warpgroups 1 and 2 each
+// issue m64n256k16 on 64 of the rows. bf16 weights only: MXFP4 weights take the RS form below
+// (weights dequantised into the register operand, tokens on N).
 // Stages are handed over with mbarriers: `full` (one cp.async arrival per producer thread, which
 // fires when its copies land; the thread never waits) and `empty` (consumer warps, after the
 // wgmma that read the stage retired).
@@ -21,6 +20,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include <type_traits>
 
 #include "../common/mbarrier.cuh"
 #include "../common/warpgroup.cuh"
@@ -34,24 +35,16 @@ namespace moe {
 constexpr int kWgBM = 128, kWgBN = 256, kWgBK = 64, kWgStages = 4;
 constexpr int kWgThreads = 384;  // producer warpgroup + 2 consumer warpgroups
 constexpr int kWgATileBytes = kWgBM * kWgBK * 2, kWgBTileBytes = kWgBN * kWgBK * 2;
-constexpr int kWgRawTileBytes = kWgBN * kWgBK / 2;  // MXFP4: packed codes of one stage
-constexpr int kWgRawRowBytes = kWgBK / 2;            // two 16-byte halves, one scale group each
+constexpr int kWgRawRowBytes = kWgBK / 2;  // MXFP4: code bytes of one weight row and k-step
 static_assert(2 * kMxGroup == kWgBK, "MXFP4: two scale groups per weight row and k-step");
 
-__host__ __device__ constexpr size_t wg_smem_bytes(bool mxfp4) {
-  return 1024 /* alignment slack */ + kWgStages * (kWgATileBytes + kWgBTileBytes) +
-         (mxfp4 ? kWgStages * kWgRawTileBytes : 0) + 2 * kWgStages * sizeof(uint64_t);
+__host__ __device__ constexpr size_t wg_smem_bytes() {
+  return 1024 /* alignment slack */ + kWgStages * (kWgATileBytes + kWgBTileBytes) + 2 * kWgStages * sizeof(uint64_t);
 }
 
 // Element offset of 16-byte chunk c of row r in a tile of 128-byte rows under the 128B swizzle
 // (chunk c of row r stored at chunk c ^ (r % 8); 8-row atoms 1024 B, 1024-B aligned).
 __device__ __forceinline__ int wg_swizzle(int row, int chunk) { return row * kWgBK + ((chunk ^ (row & 7)) << 3); }
-
-// Byte offset of 16-byte half h of row r in a raw MXFP4 tile (32-byte rows): the halves swap
-// every 4 rows, so the 8 rows one quarter-warp reads of the same half hit distinct banks.
-__device__ __forceinline__ int wg_raw_offset(int row, int half) {
-  return row * kWgRawRowBytes + ((half ^ ((row >> 2) & 1)) << 4);
-}
 
 // K-major 128B-swizzled operand descriptor: start address, leading byte offset 16 (unused
 // inside one swizzle row), stride 1024 B between 8-row groups, swizzle mode 1 (128B).
@@ -130,12 +123,11 @@ __device__ __forceinline__ bool wg_tile(const Schedule& s, int n_tiles, WgTile& 
 
 // Producer warpgroup (128 threads). k-step kt goes to stage kt % kWgStages once the consumers
 // released it. Thread t copies 16-byte chunk t % 8 of A rows t/8 + 16i (8 consecutive threads
-// read one 128-byte row); bf16: the same for weight rows t/8 + 16i; MXFP4: half t % 2 (32 codes,
-// one scale group) of weight rows t/2 + 64i into the stage's raw tile. Then a cp.async arrival
-// on the stage's `full` barrier.
-template <bool kMxfp4, bool kGateUp>
+// read one 128-byte row), the same for weight rows t/8 + 16i. Then a cp.async arrival on the
+// stage's `full` barrier.
+template <bool kGateUp>
 __device__ __forceinline__ void wg_produce(const WgParams& p, const WgTile& t, __nv_bfloat16* sa, __nv_bfloat16* sb,
-                                           uint8_t* raw, uint64_t* full, uint64_t* empty) {
+                                           uint64_t* full, uint64_t* empty) {
   const int tid = threadIdx.x, chunk = tid % 8, r8 = tid / 8;
   const int K = p.K, nk = K / kWgBK;
   const __nv_bfloat16* a_src[8];
@@ -146,9 +138,7 @@ __device__ __forceinline__ void wg_produce(const WgParams& p, const WgTile& t, _
     a_src[i] = r < t.rows ? p.a + row * K + chunk * 8 : nullptr;
   }
   const int64_t w_row0 = t.expert * p.rows_per_expert + t.n_tile * (kGateUp ? kWgBN / 2 : kWgBN);
-  const __nv_bfloat16* b_src = kMxfp4 ? nullptr : p.w.bf16 + w_row0 * K + chunk * 8;
-  const int half = tid % 2, r2 = tid / 2;
-  const uint8_t* q_src = kMxfp4 ? p.w.packed + (w_row0 + r2) * (K / 2) + half * 16 : nullptr;  // tile row r2
+  const __nv_bfloat16* b_src = p.w.bf16 + w_row0 * K + chunk * 8;
 
   for (int kt = 0; kt < nk; ++kt) {
     const int st = kt % kWgStages;
@@ -158,20 +148,11 @@ __device__ __forceinline__ void wg_produce(const WgParams& p, const WgTile& t, _
 #pragma unroll
     for (int i = 0; i < 8; ++i)
       if (a_src[i] != nullptr) cp_async16(a_dst + wg_swizzle(r8 + 16 * i, chunk), a_src[i] + k0, 16);
-    if constexpr (kMxfp4) {
-      uint8_t* q_dst = raw + st * kWgRawTileBytes;
+    __nv_bfloat16* b_dst = sb + st * (kWgBN * kWgBK);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {  // tile rows r2 + 64i; rows >= 128 are up rows, mat_gap further on
-        const int64_t gap = i >= 2 ? (int64_t)p.mat_gap * (K / 2) : 0;
-        cp_async16(q_dst + wg_raw_offset(r2 + 64 * i, half), q_src + 64 * i * (K / 2) + gap + k0 / 2, 16);
-      }
-    } else {
-      __nv_bfloat16* b_dst = sb + st * (kWgBN * kWgBK);
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const int r = r8 + 16 * i;
-        cp_async16(b_dst + wg_swizzle(r, chunk), b_src + (r + (i >= 8 ? p.mat_gap : 0)) * (int64_t)K + k0, 16);
-      }
+    for (int i = 0; i < 16; ++i) {  // rows >= 128 are up rows, mat_gap further on
+      const int r = r8 + 16 * i;
+      cp_async16(b_dst + wg_swizzle(r, chunk), b_src + (r + (i >= 8 ? p.mat_gap : 0)) * (int64_t)K + k0, 16);
     }
     mbar_cp_async_arrive(&full[st]);
   }
@@ -183,90 +164,30 @@ __device__ __forceinline__ void wg_fence_operand(float (&acc)[128]) {
   for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(acc[i])::"memory");
 }
 
-// MXFP4: 16-byte half `half` of raw row `row` (32 codes, one scale group) -> 4 bf16 chunks.
-template <bool kTwoSteps>
-__device__ __forceinline__ void wg_dequant_half(const uint8_t* raw, __nv_bfloat16* b, int row, int half,
-                                                const Mxfp4Scale& s) {
-  const uint4 codes = *reinterpret_cast<const uint4*>(raw + wg_raw_offset(row, half));
-  const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
-#pragma unroll
-  for (int m = 0; m < 4; ++m) {
-    uint32_t v[4];
-    mxfp4_dequant8<kTwoSteps>(words[m], s, v);
-    *reinterpret_cast<uint4*>(b + wg_swizzle(row, 4 * half + m)) = make_uint4(v[0], v[1], v[2], v[3]);
-  }
-}
-
-// MXFP4: consumer thread c (0..255) turns weight row c of a stage's raw tile into bf16; the two
-// halves' scale bytes are the low and high byte of `scales`.
-__device__ __forceinline__ void wg_dequant_row(const uint8_t* raw, __nv_bfloat16* b, int row, uint32_t scales) {
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const Mxfp4Scale s = mxfp4_scale((scales >> (8 * half)) & 0xFFu);
-    if (s.two_steps) {
-      wg_dequant_half<true>(raw, b, row, half, s);
-    } else {
-      wg_dequant_half<false>(raw, b, row, half, s);
-    }
-  }
-}
-
-// Named barrier 1: the 256 consumer threads only (the producer never waits on them).
-__device__ __forceinline__ void wg_consumers_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
-
-// Consumer warpgroup cw (0 or 1): rows 64cw..64cw+63 of the tile. MXFP4: thread c of the two
-// warpgroups also dequantises weight row c of every stage, one k-step ahead of the MMAs: the
-// MMAs of kt are issued, then kt+1 is dequantised while they run; each writer fences its stores
-// into the async proxy and the barrier after it publishes the whole tile before its MMAs.
-template <bool kMxfp4, bool kGateUp>
-__device__ __forceinline__ void wg_consume(float (&acc)[128], int cw, const WgParams& p, const WgTile& t,
-                                           const __nv_bfloat16* sa, __nv_bfloat16* sb, const uint8_t* raw,
-                                           uint64_t* full, uint64_t* empty) {
+// Consumer warpgroup cw (0 or 1): rows 64cw..64cw+63 of the tile.
+__device__ __forceinline__ void wg_consume(float (&acc)[128], int cw, const WgParams& p, const __nv_bfloat16* sa,
+                                           const __nv_bfloat16* sb, uint64_t* full, uint64_t* empty) {
   const int lane = threadIdx.x % 32, nk = p.K / kWgBK;
-  const int row = threadIdx.x - 128;  // MXFP4: the weight row this thread dequantises
-  // its two scale bytes per k-step (rows >= 128 are up rows, mat_gap further on)
-  const uint16_t* scale_src = nullptr;
-  uint32_t scales = 0;  // of the next k-step to dequantise, loaded one k-step ahead
-  auto dequant = [&](int kt) {
-    const int st = kt % kWgStages;
-    mbar_wait(&full[st], (kt / kWgStages) & 1);
-    wg_dequant_row(raw + st * kWgRawTileBytes, sb + st * (kWgBN * kWgBK), row, scales);
-    fence_proxy_async();  // the stores above and the producer's copies of this stage, for wgmma
-    // after the fence, which would otherwise wait for this load too
-    if (kt + 1 < nk) scales = __ldg(scale_src + kt + 1);
-  };
-  if constexpr (kMxfp4) {
-    const int64_t w_row = t.expert * p.rows_per_expert + t.n_tile * (kGateUp ? kWgBN / 2 : kWgBN) + row +
-                          (row >= kWgBN / 2 ? p.mat_gap : 0);
-    scale_src = reinterpret_cast<const uint16_t*>(p.w.scale + w_row * (p.K / kMxGroup));
-    scales = __ldg(scale_src);
-    dequant(0);
-    wg_consumers_sync();
-  }
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.f;
   wg_fence_operand(acc);
   for (int kt = 0; kt < nk; ++kt) {
     const int st = kt % kWgStages;
-    if constexpr (!kMxfp4) mbar_wait(&full[st], (kt / kWgStages) & 1);
+    mbar_wait(&full[st], (kt / kWgStages) & 1);
     const __nv_bfloat16* a = sa + st * (kWgBM * kWgBK) + cw * 64 * kWgBK;
     const __nv_bfloat16* b = sb + st * (kWgBN * kWgBK);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kWgBK / 16; ++ks) wgmma_m64n256k16(acc, wg_desc(a + ks * 16), wg_desc(b + ks * 16), 1);
     wgmma_commit();
-    if constexpr (kMxfp4) {
-      if (kt + 1 < nk) dequant(kt + 1);
-    }
     wgmma_wait<1>();  // the MMAs of k-step kt-1 have retired: release its stage
     if (kt > 0 && lane == 0) mbar_arrive(&empty[(kt - 1) % kWgStages]);
-    if constexpr (kMxfp4) wg_consumers_sync();  // k-step kt+1's bf16 tile is complete
   }
   wgmma_wait<0>();
   wg_fence_operand(acc);
 }
 
-template <bool kMxfp4, bool kGateUp>
+template <bool kGateUp>
 __global__ void __launch_bounds__(kWgThreads, 1) routed_gemm_wgmma_kernel(const __grid_constant__ WgParams p) {
   WgTile t;
   if (!wg_tile(p.s, p.n_tiles, t)) return;
@@ -274,8 +195,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) routed_gemm_wgmma_kernel(const 
   uint8_t* smem = wg_smem_raw + ((1024 - (smem_addr(wg_smem_raw) & 1023)) & 1023);
   auto* sa = reinterpret_cast<__nv_bfloat16*>(smem);
   auto* sb = reinterpret_cast<__nv_bfloat16*>(smem + kWgStages * kWgATileBytes);
-  uint8_t* raw = smem + kWgStages * (kWgATileBytes + kWgBTileBytes);
-  auto* bars = reinterpret_cast<uint64_t*>(raw + (kMxfp4 ? kWgStages * kWgRawTileBytes : 0));
+  auto* bars = reinterpret_cast<uint64_t*>(smem + kWgStages * (kWgATileBytes + kWgBTileBytes));
   uint64_t *full = bars, *empty = bars + kWgStages;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kWgStages; ++s) {
@@ -289,13 +209,13 @@ __global__ void __launch_bounds__(kWgThreads, 1) routed_gemm_wgmma_kernel(const 
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<72>();
-    wg_produce<kMxfp4, kGateUp>(p, t, sa, sb, raw, full, empty);
+    wg_produce<kGateUp>(p, t, sa, sb, full, empty);
     return;
   }
   setmaxnreg_inc<216>();
   const int cw = wg - 1, lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
   float acc[128];
-  wg_consume<kMxfp4, kGateUp>(acc, cw, p, t, sa, sb, raw, full, empty);
+  wg_consume(acc, cw, p, sa, sb, full, empty);
   if (64 * cw >= t.rows) return;
 
   // Accumulator layout (m64nNk16, fp32): acc[j] is row 16·warp + lane/4 + 8·((j/2) % 2),
@@ -345,11 +265,398 @@ __global__ void __launch_bounds__(kWgThreads, 1) routed_gemm_wgmma_kernel(const 
 inline bool wgmma_tiles_fit(int L, int I) { return L % kWgBN == 0 && I % (kWgBN / 2) == 0; }
 
 // m_tiles: the grid's M tiles (max_m_tiles with kWgBM); CTAs past the schedule's tiles exit.
-template <bool kMxfp4, bool kGateUp>
+template <bool kGateUp>
 cudaError_t launch_routed_gemm_wgmma(const WgParams& p, int m_tiles, cudaStream_t stream) {
-  const auto kernel = routed_gemm_wgmma_kernel<kMxfp4, kGateUp>;
-  const size_t smem = wg_smem_bytes(kMxfp4);
+  const auto kernel = routed_gemm_wgmma_kernel<kGateUp>;
+  const size_t smem = wg_smem_bytes();
   // per device, so set on every launch (not a stream operation: allowed during graph capture)
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (err != cudaSuccess) return err;
+  kernel<<<(unsigned)m_tiles * p.n_tiles, kWgThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// MXFP4 prefill GEMMs with the weights as the register A operand of wgmma (the RS form), computed
+// transposed: weight rows on M, the tile's tokens on N.
+//   gate_up: hᵀ = glu(w1[e] · zᵀ, w3[e] · zᵀ)     down: partᵀ = weight · (w2[e] · hᵀ)
+// Why: the form above (tokens on M) dequantises each weight tile into shared memory, fences it
+// into the async proxy and meets all 256 consumers at a barrier every k-step, and its 128-row
+// M tiles are half empty at one EP8 rank's ~73 rows per expert (8192 rows over 112 experts).
+// Here each consumer thread dequantises exactly the A-fragment registers its own wgmma reads
+// (no bf16 stores, no proxy fence, no cross-warpgroup barrier), and N is the tile's row count
+// rounded up to 16 (16..128), so a 73-row tile costs 80 columns of MMA instead of 128.
+// CTA (as above: 384 threads, blockIdx -> expert, weight tile, M tile of <= 128 sorted rows):
+// 256 weight rows (gate_up: gate rows n0..n0+127 and up rows I+n0..; down: output columns
+// n0..n0+255); consumer warpgroup cw owns two m64 blocks b (gate_up: gate and up rows
+// n0 + 64cw + [0, 64), so the GLU pairs sit in one thread; down: columns n0 + 128cw + 64b + [0, 64)).
+// k order inside a k-step (64 k, 32 code bytes per weight row): thread c = lane % 4 of the A
+// fragment holds logical k 16ks + 8h + 2c + {0, 1} (ks = 0..3, h = 0, 1), i.e. one code byte per
+// (ks, h). It is given byte 2jj + (c & 1) + 16(c >> 1) of the row, jj = 2ks + h: the even (c even)
+// or odd bytes of one 16-byte half, one shared load and two byte gathers per row. So logical
+// chunk jj (8 k) of a token row must hold natural k 4jj..4jj+3 and 32+4jj..32+4jj+3: the token
+// tile is copied in 8-byte pieces (4 k) to those places. Every product is the same as in the
+// natural order; only the fp32 summation order differs (a fixed one: deterministic).
+constexpr int kRsStages = 6;
+constexpr int kRsTokTileBytes = kWgBM * kWgBK * 2;  // up to 128 token rows x 64 k, bf16, 128B-swizzled
+constexpr int kRsRawTileBytes = kWgBN * kWgBK / 2;  // 256 weight rows x 64 codes, 32-byte rows
+// setmaxnreg moves registers inside the CTA's launch allocation (384 threads x the 168 that
+// __launch_bounds__(384, 1) gives): an increase past what the producer gave back never returns.
+constexpr int kRsProducerRegs = 72, kRsConsumerRegs = 216;
+static_assert(128 * kRsProducerRegs + 256 * kRsConsumerRegs <= kWgThreads * 168, "CTA register allocation");
+
+__host__ __device__ constexpr size_t rs_smem_bytes() {
+  return 1024 /* alignment slack */ + kRsStages * (kRsTokTileBytes + kRsRawTileBytes) +
+         256 * sizeof(uint2) /* scale table */ + 2 * kRsStages * sizeof(uint64_t);
+}
+
+__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+
+// d (64 x N fp32) += A (64 x 16, four bf16x2 registers per thread) · B (N x 16, smem, K-major)ᵀ.
+__device__ __forceinline__ void wgmma_rs(float (&d)[8], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7}, "
+      "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[16], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[24], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, "
+      "{%24, %25, %26, %27}, %28, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[40], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %45, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, "
+      "{%40, %41, %42, %43}, %44, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[48], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "
+      "{%48, %49, %50, %51}, %52, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[56], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %61, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n112k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55}, "
+      "{%56, %57, %58, %59}, %60, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
+}
+
+template <int kNa>
+__device__ __forceinline__ void rs_fence_operand(float (&acc)[kNa]) {
+#pragma unroll
+  for (int i = 0; i < kNa; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+}
+
+// The E8M0 scale byte b as mxfp4_scale's two bf16x2 factors (the second, 1.0 where one suffices
+// (b <= 128), is used only when some byte of the k-step needs it).
+__device__ __forceinline__ uint2 rs_scale_entry(uint32_t b) {
+  const Mxfp4Scale s = mxfp4_scale(b);
+  return make_uint2(*reinterpret_cast<const uint32_t*>(&s.first),
+                    s.two_steps ? *reinterpret_cast<const uint32_t*>(&s.second) : 0x3F803F80u);
+}
+
+// Four code bytes (byte m = elements 2m, 2m+1, the even one in the low nibble) -> four bf16x2
+// words, word m = (element 2m, element 2m+1), times the scale: mxfp4.cuh's bit trick with 12
+// integer operations per four words instead of 19. y_m gets code 2m at bits 15:12 and code 2m+1
+// at 31:28 and zeros elsewhere (each prmt takes its two zero bytes from a half-masked source);
+// then the signs stay (bits 15, 31) and the magnitudes move down 6 (bits 8:6, 24:22) in one
+// select. The shift is a multiply-high by 2^26, so it runs on the multiply pipe, not the integer
+// pipe that the prmt and the select share. kTwo: the scale needs its second factor (b > 128).
+template <bool kTwo>
+__device__ __forceinline__ void rs_dequant_word(uint32_t packed, uint2 f, uint32_t (&out)[4]) {
+  const uint32_t p4 = packed << 4;
+  const uint32_t e_lo = p4 & 0x0000F0F0u, e_hi = p4 & 0xF0F00000u;
+  const uint32_t o_lo = packed & 0x0000F0F0u, o_hi = packed & 0xF0F00000u;
+  uint32_t y[4];
+  asm("prmt.b32 %0, %1, %2, 0x4602;" : "=r"(y[0]) : "r"(e_lo), "r"(o_lo));
+  asm("prmt.b32 %0, %1, %2, 0x5612;" : "=r"(y[1]) : "r"(e_lo), "r"(o_lo));
+  asm("prmt.b32 %0, %1, %2, 0x6420;" : "=r"(y[2]) : "r"(e_hi), "r"(o_hi));
+  asm("prmt.b32 %0, %1, %2, 0x7430;" : "=r"(y[3]) : "r"(e_hi), "r"(o_hi));
+  constexpr uint32_t kKeep = 0x82008200u;  // bits taken from y (signs, and two that are zero there)
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    const uint32_t down6 = __umulhi(y[m], 1u << 26);  // y >> 6
+    uint32_t bits;  // (y & kKeep) | (down6 & ~kKeep) as one lop3 (the compiler made it two)
+    asm("lop3.b32 %0, %1, %2, %3, 0xE2;" : "=r"(bits) : "r"(y[m]), "n"(kKeep), "r"(down6));
+    __nv_bfloat162 v = __hmul2(bf16x2_from_bits(bits), bf16x2_from_bits(f.x));
+    if constexpr (kTwo) v = __hmul2(v, bf16x2_from_bits(f.y));
+    out[m] = *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+// Producer warpgroup. Token rows (gate_up: z rows gathered through sorted_token; down: h rows)
+// n = 8i + 2·warp + lane/16 (i = 0..15, interleaved so the four warps share a short tile evenly):
+// lane u = lane % 16 copies 8-byte piece u (k 4u..4u+3 of the k-step) to chunk (u % 8) ^ (n % 8)
+// at byte 8·(u / 8); a row's 16 lanes fill its 128 bytes, each bank once. Rows past the tile
+// are not copied (they only feed the MMA columns of absent tokens, which are never stored).
+// Weight codes: as in wg_produce, 32-byte rows without swizzle (the 16-byte reads of a quad's
+// rows are conflict-free).
+template <bool kGateUp>
+__device__ __forceinline__ void rs_produce(const WgParams& p, const WgTile& t, uint8_t* tok, uint8_t* raw,
+                                           uint64_t* full, uint64_t* empty) {
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, u = lane % 16;
+  const int K = p.K, nk = K / kWgBK;
+  const int n0 = 2 * warp + lane / 16;  // row i is n0 + 8i: n % 8 == n0 % 8 for all i
+  // source row of tile row n0 + 8u (-1 past the tile), read by the half-warp's lanes through a
+  // shuffle (16 registers per lane would spill in the producer's 64)
+  const int n_lane = n0 + 8 * u;
+  const int my_row = n_lane < t.rows ? (kGateUp ? p.s.sorted_token[t.row0 + n_lane] : t.row0 + n_lane) : -1;
+  const int half_lane0 = lane & 16;
+  const int t_off = n0 * 128 + (((u % 8) ^ (n0 % 8)) << 4) + 8 * (u / 8);
+  const char* a_lane = reinterpret_cast<const char*>(p.a) + 8 * u;
+  const uint32_t row_bytes = (uint32_t)K * 2;
+  const int half = tid % 2, r2 = tid / 2;
+  const int64_t w_row0 = t.expert * p.rows_per_expert + t.n_tile * (kGateUp ? kWgBN / 2 : kWgBN);
+  const uint8_t* q_src = p.w.packed + (w_row0 + r2) * (K / 2) + half * 16;
+  const int64_t gap = (int64_t)p.mat_gap * (K / 2);
+
+  for (int kt = 0; kt < nk; ++kt) {
+    const int st = kt % kRsStages;
+    if (kt >= kRsStages) mbar_wait(&empty[st], (kt / kRsStages - 1) & 1);
+    uint8_t* t_dst = tok + st * kRsTokTileBytes + t_off;
+    const char* a_k = a_lane + kt * 128;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int row = __shfl_sync(0xffffffffu, my_row, half_lane0 + i);
+      if (row >= 0) cp_async8(t_dst + 1024 * i, a_k + (uint64_t)(uint32_t)row * row_bytes);
+    }
+    uint8_t* q_dst = raw + st * kRsRawTileBytes;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)  // tile rows r2 + 64i; rows >= 128 are mat_gap further on
+      cp_async16(q_dst + (r2 + 64 * i) * kWgRawRowBytes + half * 16,
+                 q_src + 64 * i * (K / 2) + (i >= 2 ? gap : 0) + kt * kWgRawRowBytes, 16);
+    mbar_cp_async_arrive(&full[st]);
+  }
+}
+
+// Consumer warpgroup cw with N = kN token columns (kN >= t.rows): main loop and epilogue.
+// Per k-step each thread dequantises its 4 weight rows (blocks b = 0, 1; rows lr and lr + 8,
+// lr = 16·warp + lane/4) into 32 A-fragment registers; the registers of k-step kt+1 are filled
+// while the MMAs of kt run (two register sets, the loop unrolled by two so both stay
+// registers), after `wgmma.wait_group 1` retired the MMAs of kt-1 that read that set.
+template <int kN, bool kGateUp>
+__device__ __forceinline__ void rs_consume(int cw, const WgParams& p, const WgTile& t, const uint8_t* tok,
+                                           const uint8_t* raw, const uint2* scale_tab, uint64_t* full,
+                                           uint64_t* empty) {
+  constexpr int kNa = kN / 2;
+  const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4, q = lane / 4, c = lane % 4;
+  const int K = p.K, nk = K / kWgBK;
+  // Tile row of (b, hr): r0 + 8hr + kBlockRows·b (gate_up: block 1 = the up rows, 128 further in
+  // the tile and mat_gap further in the weights); offsets from the (0, 0) row keep the register
+  // count down (N = 128 holds 128 accumulators and 64 A registers).
+  constexpr int kBlockRows = kGateUp ? kWgBN / 2 : 64;
+  const int r0 = (kGateUp ? 64 * cw : 128 * cw) + 16 * warp + q;
+  const int row_off = r0 * kWgRawRowBytes + 16 * (c / 2);  // this thread's 16 code bytes in a raw stage
+  const int groups = K / kMxGroup;                          // scale bytes per weight row
+  const int64_t w_row0 = t.expert * p.rows_per_expert + t.n_tile * (kGateUp ? kWgBN / 2 : kWgBN);
+  const uint8_t* scale0 = p.w.scale + (w_row0 + r0) * groups;
+  const int hr_step = 8 * groups, b_step = (kBlockRows + (kGateUp ? p.mat_gap : 0)) * groups;
+  auto scale_pair = [&](int b, int hr, int kt) {  // the two scale bytes of k-step kt
+    return (uint32_t)__ldg(reinterpret_cast<const uint16_t*>(scale0 + hr * hr_step + b * b_step) + kt);
+  };
+  uint32_t sc[2][2];  // the two scale bytes of the next k-step to dequantise
+#pragma unroll
+  for (int b = 0; b < 2; ++b)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) sc[b][hr] = scale_pair(b, hr, 0);
+  const int group_shift = 8 * (c / 2);                     // the 16 codes lie in scale group c / 2
+  const uint32_t gather = c % 2 ? 0x7531u : 0x6420u;       // odd or even bytes of two words
+  const uint64_t desc0 = wg_desc(tok);                     // + (byte offset >> 4) per stage and k16
+
+  auto dequant = [&](int kt, uint32_t (&a)[4][2][4]) {
+    const int st = kt % kRsStages;
+    mbar_wait(&full[st], (kt / kRsStages) & 1);
+    const uint8_t* rs = raw + st * kRsRawTileBytes;
+    uint32_t bytes[2][2];
+    bool two = false;
+#pragma unroll
+    for (int b = 0; b < 2; ++b)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        bytes[b][hr] = (sc[b][hr] >> group_shift) & 0xFFu;
+        two |= bytes[b][hr] > 128u;
+      }
+    auto rows = [&](auto two_steps) {
+#pragma unroll
+      for (int b = 0; b < 2; ++b)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const uint4 v = *reinterpret_cast<const uint4*>(rs + row_off + (8 * hr + kBlockRows * b) * kWgRawRowBytes);
+          const uint2 f = scale_tab[bytes[b][hr]];
+          uint32_t g0, g1, o[4];
+          asm("prmt.b32 %0, %1, %2, %3;" : "=r"(g0) : "r"(v.x), "r"(v.y), "r"(gather));
+          asm("prmt.b32 %0, %1, %2, %3;" : "=r"(g1) : "r"(v.z), "r"(v.w), "r"(gather));
+          rs_dequant_word<decltype(two_steps)::value>(g0, f, o);  // chunks jj 0..3: k16 steps 0 and 1
+          a[0][b][hr] = o[0], a[0][b][hr + 2] = o[1], a[1][b][hr] = o[2], a[1][b][hr + 2] = o[3];
+          rs_dequant_word<decltype(two_steps)::value>(g1, f, o);  // chunks jj 4..7: k16 steps 2 and 3
+          a[2][b][hr] = o[0], a[2][b][hr + 2] = o[1], a[3][b][hr] = o[2], a[3][b][hr + 2] = o[3];
+        }
+    };
+    if (two) {  // scale bytes > 128: never in practice, but exact when they occur
+      rows(std::true_type{});
+    } else {
+      rows(std::false_type{});
+    }
+    if (kt + 1 < nk) {
+#pragma unroll
+      for (int b = 0; b < 2; ++b)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) sc[b][hr] = scale_pair(b, hr, kt + 1);
+    }
+  };
+
+  float acc[2][kNa];
+#pragma unroll
+  for (int b = 0; b < 2; ++b)
+#pragma unroll
+    for (int i = 0; i < kNa; ++i) acc[b][i] = 0.f;
+  rs_fence_operand(acc[0]);
+  rs_fence_operand(acc[1]);
+  uint32_t a0[4][2][4], a1[4][2][4];
+
+  auto step = [&](int kt, uint32_t (&cur)[4][2][4], uint32_t (&next)[4][2][4]) {
+    const uint64_t desc = desc0 + (uint64_t)((kt % kRsStages) * (kRsTokTileBytes >> 4));
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kWgBK / 16; ++ks)
+#pragma unroll
+      for (int b = 0; b < 2; ++b) wgmma_rs(acc[b], cur[ks][b], desc + 2 * ks);  // 32 bytes per k16
+    wgmma_commit();
+    wgmma_wait<1>();  // the MMAs of kt-1 have retired: `next` and their token stage are free
+    if (kt > 0 && lane == 0) mbar_arrive(&empty[(kt - 1) % kRsStages]);
+    if (kt + 1 < nk) dequant(kt + 1, next);
+  };
+  dequant(0, a0);
+  for (int kt = 0; kt < nk; kt += 2) {
+    step(kt, a0, a1);
+    if (kt + 1 < nk) step(kt + 1, a1, a0);
+  }
+  wgmma_wait<0>();
+  rs_fence_operand(acc[0]);
+  rs_fence_operand(acc[1]);
+
+  // Accumulator layout (m64nNk16, fp32): acc[b][j] is weight row lr = 16·warp + lane/4 +
+  // 8·((j/2) % 2) of block b, token column 8·(j/4) + 2·(lane % 4) + j % 2.
+  if constexpr (kGateUp) {
+    const int col0 = t.n_tile * (kWgBN / 2) + 64 * cw + 16 * warp + q;
+    const float inv_beta = 1.f / p.act.beta, inv_lbeta = p.act.linear_beta != 0.f ? 1.f / p.act.linear_beta : 0.f;
+#pragma unroll
+    for (int j = 0; j < kNa; ++j) {
+      const int tk = 8 * (j / 4) + 2 * c + j % 2;
+      if (tk >= t.rows) continue;
+      const float hv = glu_fast(acc[0][j], acc[1][j], p.act, inv_beta, inv_lbeta);
+      p.h[(int64_t)(t.row0 + tk) * p.out_cols + col0 + 8 * ((j / 2) % 2)] = __float2bfloat16_rn(hv);
+    }
+  } else {
+    const int col0 = t.n_tile * kWgBN + 128 * cw + 16 * warp + q;
+#pragma unroll
+    for (int j = 0; j < kNa; ++j) {
+      const int tk = 8 * (j / 4) + 2 * c + j % 2;
+      if (tk >= t.rows) continue;
+      const float weight = p.s.sorted_weight[t.row0 + tk];
+      float* out = p.part + (int64_t)(t.row0 + tk) * p.out_cols + col0 + 8 * ((j / 2) % 2);
+      out[0] = weight * acc[0][j];
+      out[64] = weight * acc[1][j];
+    }
+  }
+}
+
+template <bool kGateUp>
+__global__ void __launch_bounds__(kWgThreads, 1) routed_gemm_rs_kernel(const __grid_constant__ WgParams p) {
+  WgTile t;
+  if (!wg_tile(p.s, p.n_tiles, t)) return;
+  extern __shared__ uint8_t rs_smem_raw[];
+  uint8_t* smem = rs_smem_raw + ((1024 - (smem_addr(rs_smem_raw) & 1023)) & 1023);
+  uint8_t* tok = smem;
+  uint8_t* raw = smem + kRsStages * kRsTokTileBytes;
+  auto* scale_tab = reinterpret_cast<uint2*>(raw + kRsStages * kRsRawTileBytes);
+  auto* bars = reinterpret_cast<uint64_t*>(scale_tab + 256);
+  uint64_t *full = bars, *empty = bars + kRsStages;
+  if (threadIdx.x < 256) scale_tab[threadIdx.x] = rs_scale_entry(threadIdx.x);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kRsStages; ++s) {
+      mbar_init(&full[s], 128);  // every producer thread
+      mbar_init(&empty[s], 8);   // every consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    setmaxnreg_dec<kRsProducerRegs>();
+    rs_produce<kGateUp>(p, t, tok, raw, full, empty);
+    return;
+  }
+  setmaxnreg_inc<kRsConsumerRegs>();
+  const int cw = wg - 1;
+  // N: the tile's rows rounded up to 16 (uniform over the CTA, so each warpgroup issues the
+  // same wgmma shape)
+  switch ((t.rows + 15) / 16) {
+    case 1: rs_consume<16, kGateUp>(cw, p, t, tok, raw, scale_tab, full, empty); break;
+    case 2: rs_consume<32, kGateUp>(cw, p, t, tok, raw, scale_tab, full, empty); break;
+    case 3: rs_consume<48, kGateUp>(cw, p, t, tok, raw, scale_tab, full, empty); break;
+    case 4: rs_consume<64, kGateUp>(cw, p, t, tok, raw, scale_tab, full, empty); break;
+    case 5: rs_consume<80, kGateUp>(cw, p, t, tok, raw, scale_tab, full, empty); break;
+    case 6: rs_consume<96, kGateUp>(cw, p, t, tok, raw, scale_tab, full, empty); break;
+    case 7: rs_consume<112, kGateUp>(cw, p, t, tok, raw, scale_tab, full, empty); break;
+    default: rs_consume<128, kGateUp>(cw, p, t, tok, raw, scale_tab, full, empty); break;
+  }
+}
+
+// MXFP4 prefill GEMMs (same grids, params and schedule as launch_routed_gemm_wgmma).
+template <bool kGateUp>
+cudaError_t launch_routed_gemm_rs(const WgParams& p, int m_tiles, cudaStream_t stream) {
+  const auto kernel = routed_gemm_rs_kernel<kGateUp>;
+  const size_t smem = rs_smem_bytes();
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (err != cudaSuccess) return err;
   kernel<<<(unsigned)m_tiles * p.n_tiles, kWgThreads, smem, stream>>>(p);

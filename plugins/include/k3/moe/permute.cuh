@@ -18,7 +18,16 @@ struct Schedule {
   int* sorted_token;    // [T*k] token of each sorted row
   float* sorted_weight; // [T*k] routing weight of each sorted row
   int* slot_row;        // [T*k] sorted row of assignment (token, slot), -1 where its expert is not local
+  // Split-K of the decode GEMVs (decode_gemm.cuh); nullptr: no split
+  int* split_count;     // [kSplitCounters + 2] arrivals per (M tile, column block), then the GEMVs' work
+                        // counters; zeroed by the schedule kernels
+  float* split_part;    // [kSplitItemsMax, kDecodeThreads, <= 16] fp32 partial accumulators per split CTA
 };
+
+// Split-K capacity: kSplitItemsMax split items of kSplitAccMax floats per thread (more of fewer
+// floats), and at most kSplitCounters (tile, column block) pairs split per GEMV; after those
+// counters, one work-item counter per decode GEMV (gate_up, down).
+constexpr int kSplitItemsMax = 1024, kSplitCounters = 1022, kSplitAccMax = 16, kDecodeWorkCounters = 2;
 
 // Upper bound on the M tiles: every expert's partial tile plus the full ones.
 __host__ __device__ inline int max_m_tiles(int assignments, int num_local_experts, int bm) {
@@ -83,12 +92,20 @@ __device__ int build_schedule(const Schedule& s, int n, int num_local_experts, i
   return row0;
 }
 
+// The split-K arrival counters start at zero in every forward (each split pair's last CTA also
+// resets its own): the workspace comes uninitialised from the caller.
+__device__ __forceinline__ void zero_split_counters(const Schedule& s) {
+  static_assert(kSplitCounters + kDecodeWorkCounters <= kScanThreads, "one counter per thread of the schedule CTA");
+  if (s.split_count != nullptr && threadIdx.x < kSplitCounters + kDecodeWorkCounters) s.split_count[threadIdx.x] = 0;
+}
+
 // One CTA of kScanThreads threads; num_local_experts <= kScanThreads.
 __global__ void __launch_bounds__(kScanThreads) schedule_kernel(Schedule s, int num_local_experts, int bm) {
   __shared__ int warp_sums[32];
   const int e = threadIdx.x;
   build_schedule(s, e < num_local_experts ? s.counts[e] : 0, num_local_experts, bm, warp_sums);
   if (e < num_local_experts) s.fill[e] = 0;
+  zero_split_counters(s);
 }
 
 // Row order inside an expert depends on atomic timing; no output bit does: a row's GEMM
