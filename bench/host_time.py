@@ -13,7 +13,13 @@ Cases (each through ``TorchExecutor`` as the runner drives it, steps built on th
 - ``slice_prefill_hit``: ``--prefill-tokens`` new tokens after ``--context`` cached ones (the step a
   prefix-cache hit runs), eager;
 - ``tiny_decode_b<B>`` / ``tiny_prefill``: the shipped tiny K3 (examples/tiny-k3), eager and, for
-  decode on a GPU, through the executor's CUDA graphs.
+  decode on a GPU, through the executor's CUDA graphs;
+- ``engine_decode_b<B>`` (``--engine-batches``): the host time of a whole decode step of the tiny
+  model's engine (issue 20's "host time per step"), B sequences at ``--engine-context`` tokens:
+  its parts as ``LLMEngine.step`` runs them (scheduler, model runner with ``build_step``, the
+  executor's host side: a CUDA-graph replay on a GPU, the whole forward on the CPU, sampling,
+  postprocess), each timed with the device drained before it, so none waits for the GPU;
+  ``--engine-no-forward``: fixed logits in place of the model's (the host path alone).
 
 Each case reports the host time of one step (median, the device drained first, as
 ``rank_slice.host_ms``), the step's device time (CUDA events, back to back), kernel launches per
@@ -25,7 +31,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import statistics
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -38,7 +46,9 @@ from bench.rank_slice import (BenchError, PoolLayout, bench_device, build_rank, 
                               write_json)
 from k3_trtllm.model import build_step, load_model  # noqa: E402
 from k3_trtllm.model.step import is_pure_decode  # noqa: E402
+from k3_trtllm.runtime.engine import build_engine  # noqa: E402
 from k3_trtllm.runtime.executor import TorchExecutor  # noqa: E402
+from k3_trtllm.runtime.sequence import SamplingParams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny-k3"
@@ -168,6 +178,82 @@ def tiny_cases(device: torch.device, args) -> dict:
     return cases
 
 
+ENGINE_PARTS = ("schedule", "runner", "execute", "sample", "postprocess")
+
+
+def engine_case(device: torch.device, batch: int, args) -> dict:
+    """Per-part host ms (median of ``--iters`` decode steps) of the tiny model's engine at ``batch``
+    sequences of ``--engine-context`` tokens, block size 64 (the K3 engines'); on a GPU the decode
+    steps replay CUDA graphs (the first steps of a shape, its capture, run before the timed ones)."""
+    block, ctx, max_tokens = 64, args.engine_context, min(batch * args.engine_context, 16384)
+    # the first sequences admitted decode while the later ones prefill: room for their tokens too
+    steps = args.warmup + args.iters + 4 + -(-batch * ctx // max_tokens)
+    blocks = -(-(ctx + steps + 1) // block)
+    engine = build_engine(args.tiny, dtype=getattr(torch, args.engine_dtype), device=str(device), block_size=block,
+                          max_batch_size=batch, max_num_tokens=max_tokens, max_seq_len=blocks * block,
+                          num_blocks=batch * blocks, max_slots=batch)
+    sched, runner, sampler = engine.scheduler, engine.runner, engine.sampler
+    gen = torch.Generator().manual_seed(args.seed)
+    vocab = engine.vocab_size
+    params = SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(torch.randint(3, vocab, (ctx,), generator=gen).tolist(), params)
+    while len(sched.running) < batch or any(s.num_uncached_tokens != 1 for s in sched.running):
+        engine.step()  # the prefills
+    executor = runner.executor
+    real, spent = executor.execute, []
+    fixed = torch.zeros(batch, vocab, device=device)
+
+    def inner(step, decode):
+        # --engine-no-forward: the host path alone, as on a GPU, where the host runs no forward
+        return fixed if args.engine_no_forward else real(step, decode)
+
+    def timed_execute(step, decode):
+        t = time.perf_counter()
+        out = inner(step, decode)
+        spent.append(time.perf_counter() - t)
+        return out
+    executor.execute = timed_execute
+    parts = {k: [] for k in ENGINE_PARTS}
+    replays = getattr(executor, "graph_replays", 0)
+    try:
+        for i in range(args.warmup + args.iters):
+            _drain(device)
+            t0 = time.perf_counter()
+            batch_ = sched.schedule()
+            t1 = time.perf_counter()
+            logits = runner.run(batch_)
+            t2 = time.perf_counter()
+            _drain(device)
+            t3 = time.perf_counter()
+            tokens = sampler.sample(logits, batch_.sampling)
+            t4 = time.perf_counter()
+            sched.postprocess(batch_, tokens, t4)
+            t5 = time.perf_counter()
+            if len(batch_.entries) != batch or any(n != 1 for _, n in batch_.entries):
+                raise BenchError(f"engine case B{batch}: a timed step ran {batch_.num_tokens} tokens of "
+                                 f"{len(batch_.entries)} sequences, not {batch} decodes")
+            if i >= args.warmup:
+                execute = spent[-1]
+                for k, v in zip(ENGINE_PARTS, (t1 - t0, t2 - t1 - execute, execute, t4 - t3, t5 - t4)):
+                    parts[k].append(v * 1e3)
+    finally:
+        executor.execute = real
+    med = {k: statistics.median(v) for k, v in parts.items()}
+    out = {"batch": batch, "context": ctx, "iters": args.iters, "forward": not args.engine_no_forward,
+           "parts_ms": med,
+           "host_ms": sum(med.values()), "host_ms_without_execute": sum(v for k, v in med.items() if k != "execute"),
+           "graph_replays": getattr(executor, "graph_replays", 0) - replays}
+    engine.close()
+    return out
+
+
+def _engine_line(r: dict) -> str:
+    parts = ", ".join(f"{k} {v:.3f}" for k, v in r["parts_ms"].items())
+    return (f"engine decode B{r['batch']} ctx {r['context']}: host {r['host_ms']:.3f} ms "
+            f"({r['host_ms_without_execute']:.3f} without execute; {parts}; {r['graph_replays']} replays)")
+
+
 def _line(name: str, r: dict) -> str:
     graph = f", graph step {r['graph_step_ms']['median_ms']:.3f} ms host {r['graph_host_ms']:.3f} ms" \
         if "graph_step_ms" in r else ""
@@ -194,6 +280,14 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile-steps", type=int, default=10)
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--engine-batches", type=lambda s: [int(v) for v in s.split(",") if v], default=[],
+                   help="batch sizes of the engine_decode_b<B> cases (default: none)")
+    p.add_argument("--engine-context", type=int, default=2048, help="cached tokens of those sequences")
+    p.add_argument("--engine-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="the engine's dtype (float32 runs the CPU reference ops faster)")
+    p.add_argument("--engine-no-forward", action="store_true",
+                   help="time the engine's decode steps with fixed logits in place of the model (on the CPU the "
+                        "reference forward leaves the caches cold for the host code after it)")
     p.add_argument("--no-slice", action="store_true")
     p.add_argument("--no-tiny", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -214,6 +308,9 @@ def main(argv=None) -> int:
                     report.update(slice_cases(read_config_json(Path(args.config)), args.config, device, args))
                 if not args.no_tiny:
                     report.update(tiny_cases(device, args))
+            for batch in args.engine_batches:  # the engine's own steps (it enters inference mode itself)
+                report[f"engine_decode_b{batch}"] = r = engine_case(device, batch, args)
+                print(_engine_line(r), flush=True)
         report["warnings"] = sorted({f"{w.category.__name__}: {w.message}" for w in seen})
         for w in report["warnings"]:
             print("warning:", w, file=sys.stderr)

@@ -3,6 +3,8 @@
 # edited cannot break it), run the CUDA tests, then the benchmark; logs and results in $OUT.
 #   [KDA_VARIANTS="name:-DFLAG[,-DFLAG2] ..."] [KDA_PREFILL_VARIANTS=...] [KDA_DECODE_VARIANTS=...]
 #   bench/kda_device_run.sh [kda_bench.py args]
+# (kda.cu and its headers read no -D switch since session 18: a variant's flags are nvcc options
+# or a switch added to the tree for that comparison; the old ones are in git history, baada2a)
 # FLA wheel in .whl/, FlashKDA in .carry/. Each variant is built in parallel with the main
 # library (they build while the tests run) and benchmarked after the main run:
 # KDA_PREFILL_VARIANTS all in one kda_prefill_variants.py process next to the main build

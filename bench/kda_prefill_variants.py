@@ -3,12 +3,14 @@
 Run on the GPU machine:
     python3 bench/kda_prefill_variants.py --out DIR --lib NAME=PATH [--lib NAME=PATH ...]
         [--shapes T4096_H96 ...] [--rounds 2] [--flashkda PATH]
-Each --lib is a full kda.cu build (a -D variant of the tree). Every shape times every build on
+Each --lib is a full kda.cu build: the tree, or the tree with a measurement switch added for
+the comparison at hand (the sources keep none since session 18; the earlier ones are in git
+history, baada2a). Every shape times every build on
 the same inputs in `rounds` interleaved passes (triton.testing.do_bench medians, L2 flushed),
 then takes one torch-profiler breakdown per build (device ms per kernel); with --flashkda,
 FlashKDA (vllm 0.33.0's ``_flashkda_C.abi3.so``, from post-conv q/k/v) is timed in the same
-rounds as the row "flashkda". Measurement builds
-that stop the prepare early produce wrong outputs on purpose: no correctness check
+rounds as the row "flashkda". A measurement build may produce wrong outputs on purpose (one
+that stops the prepare early, say): no correctness check
 against the fp32 reference here; kda_bench.py and tests/gpu/test_kda_cuda.py check the shipped
 build. Each build's output and final state are compared with the first build's on the same
 inputs (`vs_first`: relative Frobenius errors and whether they are bit-identical), so that a

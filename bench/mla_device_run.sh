@@ -6,7 +6,10 @@
 #                                                  21 with the peers -> $OUT/main/mla_issue21_h200.json)
 #   MLA_VARIANTS="name:nvcc flags;name2:flags"  variants to build (default "main:", the
 #                                               sources as they are); the first is the one
-#                                               tested (MLA_TEST_ALL=1: every variant)
+#                                               tested (MLA_TEST_ALL=1: every variant). mla.cu
+#                                               reads no -D switch since session 18 (the old
+#                                               ones are in git history, baada2a): flags are
+#                                               nvcc options or a switch added to compare
 #   MLA_PREBUILT="name:lib.so;name2:lib2.so"     libraries built beforehand (on the CPU machine
 #                                               with this nvcc line): no device compile
 #   MLA_TESTS=0                                 no tests (e.g. run_all.sh ran them already)

@@ -299,7 +299,9 @@ def run_slice(args) -> dict:
 # ---------------------------------------------------------------------------
 # kill
 # ---------------------------------------------------------------------------
-def _children(pid: int) -> list[int]:
+def spawned_children(pid: int) -> list[int]:
+    """The multiprocessing-spawned children of ``pid`` (tests/test_runtime_world.py's kill
+    checks look for the same processes)."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -337,7 +339,7 @@ def run_kill(args) -> dict:
             for _ in range(4):  # tokens are streaming: both ranks are stepping
                 if not proc.stdout.readline():
                     raise WorldError(f"the world-2 run ended before streaming: {_last_error(proc.stderr.read())}")
-            workers = _children(proc.pid)
+            workers = spawned_children(proc.pid)
             if len(workers) != 1:
                 raise WorldError(f"expected one spawned worker rank, found {workers}")
             start = time.monotonic()

@@ -112,6 +112,84 @@ def test_a_step_to_the_cpu_keeps_every_field():
 
 
 
+def _step_by_definition(seqs, block_size, logits_all=False, snapshots=None) -> dict:
+    """build_step's fields spelled out per sequence and token (the contract, DESIGN §3), as lists."""
+    ids, pos, cu, slotmap, last = [], [], [0], [], []
+    width = max(1, max(len(t) for *_, t in seqs))
+    for new_ids, ctx, _, table in seqs:
+        ids += new_ids
+        for p in range(ctx, ctx + len(new_ids)):
+            pos.append(p)
+            slotmap.append(table[p // block_size] * block_size + p % block_size)
+        cu.append(len(ids))
+        last.append(len(ids) - 1)
+    out = dict(input_ids=ids, positions=pos, cu_seqlens=cu, context_lens=[s[1] for s in seqs],
+               logits_indices=list(range(len(ids))) if logits_all else last,
+               block_tables=[list(t) + [0] * (width - len(t)) for *_, t in seqs], slot_mapping=slotmap,
+               state_slots=[s[2] for s in seqs], has_initial_state=[int(s[1] > 0) for s in seqs],
+               snapshot_offsets=None, snapshot_rows=None)
+    if snapshots and any(snapshots):
+        n = max(map(len, snapshots))
+        out["snapshot_offsets"] = [[o for o, _ in p] + [-1] * (n - len(p)) for p in snapshots]
+        out["snapshot_rows"] = [[r for _, r in p] + [0] * (n - len(p)) for p in snapshots]
+    return out
+
+
+def test_build_step_is_its_definition():
+    """The vectorised build_step against the per-token definition: decode and prefill batches, ragged
+    tables, snapshots, logits_all; every field int32, contiguous, sharing no memory with another."""
+    import random
+    rng = random.Random(0)
+    for _ in range(300):
+        decode, bs = rng.random() < 0.5, rng.choice([1, 16, 64])
+        seqs = []
+        for slot in rng.sample(range(300), rng.choice([1, 2, 7, 33, 128])):
+            n, ctx = (1, rng.randint(1, 300)) if decode else (rng.randint(1, 70), rng.randint(0, 300))
+            table = [rng.randint(0, 9999) for _ in range(-(-(ctx + n) // bs) + rng.randint(0, 2))]
+            seqs.append(([rng.randint(0, 999) for _ in range(n)], ctx, slot, table))
+        snapshots = [[(rng.randint(1, len(s[0])), rng.randint(0, 9)) for _ in range(rng.randint(0, 2))]
+                     for s in seqs] if rng.random() < 0.5 else None
+        logits_all = rng.random() < 0.2
+        step = build_step(seqs, bs, logits_all, snapshots)
+        want = _step_by_definition(seqs, bs, logits_all, snapshots)
+        storages = set()
+        for f in fields(StepInputs):
+            t = getattr(step, f.name)
+            if want[f.name] is None:
+                assert t is None, f.name
+                continue
+            assert t.dtype == torch.int32 and t.is_contiguous() and t.tolist() == want[f.name], f.name
+            storages.add(t.untyped_storage().data_ptr())
+        assert len(storages) == sum(w is not None for w in want.values())
+    with pytest.raises(ValueError, match="at least one new token"):
+        build_step([([1], 0, 0, [0]), ([], 3, 1, [1])], 16)
+    with pytest.raises(ValueError, match="block table of 1 blocks cannot hold 17 tokens"):
+        build_step([([1], 0, 0, [0]), ([1], 16, 1, [1])], 16)
+
+
+def test_the_runners_table_rows_follow_the_block_manager():
+    """ModelRunner keeps each slot's block table as a row between steps: after appends, a new list in
+    a slot (freed, shared, another sequence), shorter or longer, the gathered rows are the tables."""
+    import random
+
+    from k3_trtllm.runtime.model_runner import _TableRows
+    rng, rows, tables = random.Random(1), _TableRows(), {}
+    for _ in range(3000):
+        for slot in rng.sample(range(40), 5):
+            if slot not in tables or rng.random() < 0.2:
+                tables[slot] = [rng.randint(0, 9999) for _ in range(rng.randint(0, 70))]
+            else:
+                tables[slot].extend(rng.randint(0, 9999) for _ in range(rng.randint(0, 3)))
+        batch = rng.sample(sorted(tables), rng.randint(1, min(16, len(tables))))
+        seqs = [([1], 0, slot, tables[slot]) for slot in batch]
+        width = max(1, max(len(tables[slot]) for slot in batch))
+        got = rows.gather(seqs)
+        assert got.tolist() == [tables[s] + [0] * (width - len(tables[s])) for s in batch]
+        if all(tables[slot] for slot in batch):  # a step needs a block per sequence
+            kept = build_step(seqs, 1 << 20, block_tables=got).block_tables
+            assert torch.equal(kept, build_step(seqs, 1 << 20).block_tables)
+
+
 def _host_time():
     import importlib.util
     import sys
@@ -143,6 +221,24 @@ def test_host_time_reports_each_case_and_where_its_host_time_goes(tmp_path):
         assert 0 < sum(f["own_us_per_step"] for f in prof["by_file_us"]) <= prof["profiled_us_per_step"] * 1.000001
         assert any("k3_trtllm/" in f["file"] for f in prof["by_file_us"])
         assert r["cpu_ops"] and all(op["calls_per_step"] > 0 for op in r["cpu_ops"])
+
+
+def test_host_time_times_the_parts_of_an_engine_decode_step(tmp_path):
+    """bench/host_time.py's engine case (the tiny model on CPU, fp32): every part of a decode step."""
+    import json
+    ht, _ = _host_time()
+    out = tmp_path / "engine.json"
+    assert ht.main(["--device", "cpu", "--no-slice", "--no-tiny", "--engine-batches", "2", "--engine-context", "20",
+                    "--engine-dtype", "float32", "--iters", "2", "--warmup", "1", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())["engine_decode_b2"]
+    assert (r["batch"], r["context"], r["iters"], r["graph_replays"], r["forward"]) == (2, 20, 2, 0, True)
+    assert list(r["parts_ms"]) == list(ht.ENGINE_PARTS) and all(v > 0 for v in r["parts_ms"].values())
+    assert r["host_ms"] == pytest.approx(sum(r["parts_ms"].values()))
+    assert ht.main(["--device", "cpu", "--no-slice", "--no-tiny", "--engine-batches", "2", "--engine-context", "20",
+                    "--engine-dtype", "float32", "--engine-no-forward", "--iters", "2", "--warmup", "1",
+                    "--out", str(out)]) == 0
+    alone = json.loads(out.read_text())["engine_decode_b2"]
+    assert not alone["forward"] and alone["parts_ms"]["execute"] < r["parts_ms"]["execute"]
 
 
 def test_host_time_refuses_a_bad_config_in_one_line(tmp_path, capsys):

@@ -169,19 +169,20 @@ def test_moe_terms_added_by_the_mix_equal_the_summed_output(preset, ckpt_dir, mo
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
-def test_padded_kda_in_proj_changes_no_bit(ckpt_dir, dtype):
-    """The loaded model multiplies by KDA in_proj rows padded to a multiple of 8 (layers.py:
-    pad_in_proj_; the tiny model's 548 rows become 552), while its state_dict stays the
-    checkpoint's tensors; logits and every cache equal, bit for bit, those of the same model
-    with the padding undone (the checkpoint's rows alone), over a prefill and decode steps."""
-    model = load_model(ckpt_dir("tiny"), dtype=dtype)
-    plain = copy.deepcopy(model)
-    kda = [m for m in model.modules() if type(m).__name__ == "KdaAttention"]
-    assert kda
-    for m in (m for m in plain.modules() if type(m).__name__ == "KdaAttention"):
-        m.in_proj.weight = m.in_proj.weight.clone()  # compact: the padded rows are gone
-        assert m._in_proj_weight().shape[0] == sum(m.split)
-    for m in kda:
+def test_padded_kda_in_proj_keeps_the_columns(ckpt_dir, dtype):
+    """A CPU model keeps the checkpoint's KDA in_proj rows (layers.prepare_weights_ pads CUDA
+    weights only), so its bits never depend on the BLAS's blocking of a wider product. Padded
+    (KdaAttention.pad_in_proj_, as on CUDA: the tiny model's 548 rows become 552), the state_dict
+    stays the checkpoint's tensors, and logits and every cache match the unpadded model over a
+    prefill and decode steps: the padded product keeps the same columns (a shifted or dropped
+    column is an O(1) error), up to the summation order the BLAS picks for 552 rows (fp64 on an
+    AMD EPYC host differs in the last bits; the tolerances are a few hundred ulps of each dtype)."""
+    plain = load_model(ckpt_dir("tiny"), dtype=dtype)
+    kda = [m for m in plain.modules() if type(m).__name__ == "KdaAttention"]
+    assert kda and all(m._in_proj_weight() is m.in_proj.weight for m in kda)
+    model = copy.deepcopy(plain)
+    for m in (m for m in model.modules() if type(m).__name__ == "KdaAttention"):
+        m.pad_in_proj_()
         assert m._in_proj_weight().shape[0] == 552 and m.in_proj.weight.shape[0] == sum(m.split) == 548
     state = model.state_dict()
     assert all(state[n].shape == t.shape and torch.equal(state[n], t) for n, t in plain.state_dict().items())
@@ -189,5 +190,6 @@ def test_padded_kda_in_proj_changes_no_bit(ckpt_dir, dtype):
     table = _table(0, 4)
     got, got_caches = _incremental(model, ids, 33, table)
     want, want_caches = _incremental(plain, ids, 33, table)
-    assert torch.equal(got, want)
-    _caches_equal(got_caches, want_caches, rtol=0, atol=0)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-4, torch.bfloat16: 5e-2}[dtype]
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    _caches_equal(got_caches, want_caches, rtol=tol, atol=tol)

@@ -44,6 +44,11 @@ from k3_trtllm.runtime.distributed import HEADER_LEN, TIMEOUT_ENV, BroadcastExec
 from k3_trtllm.runtime.engine import build_engine
 from k3_trtllm.runtime.sequence import SamplingParams
 
+# bench/world2.py's kill check finds the workers the way these tests do; the helper lives there
+# (the package must not depend on bench or tests), and world2 imports its bench/ siblings
+sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
+from world2 import spawned_children  # noqa: E402
+
 K3_TRT = str(Path(sys.executable).with_name("k3-trt"))
 PROMPTS = [torch.randint(3, 1024, (3 + 5 * (i % 8),), generator=torch.Generator().manual_seed(i)).tolist()
            for i in range(16)]
@@ -140,7 +145,7 @@ def test_a_rank_that_cannot_load_its_shard_is_named(tp2_checkpoint, tmp_path):
 
 def _no_process_left_children() -> list[int]:
     deadline = time.monotonic() + 5
-    while (left := _children(os.getpid())) and time.monotonic() < deadline:
+    while (left := spawned_children(os.getpid())) and time.monotonic() < deadline:
         time.sleep(0.1)
     return left
 
@@ -165,20 +170,6 @@ def _kill_group_after(proc: subprocess.Popen, seconds: float) -> threading.Timer
     timer.daemon = True
     timer.start()
     return timer
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if int(stat[1]) == pid and b"spawn_main" in cmdline:
-                found.append(int(entry.name))
-    return found
 
 
 def _no_process_left(group: int) -> list[str]:
@@ -212,7 +203,7 @@ def _interrupted_run(model_dir, interrupt, wait_s: float, env=None) -> tuple[int
 
 
 def _one_worker(proc) -> int:
-    workers = _children(proc.pid)
+    workers = spawned_children(proc.pid)
     assert len(workers) == 1
     return workers[0]
 

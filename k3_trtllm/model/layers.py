@@ -71,8 +71,9 @@ class KdaAttention(nn.Module):
         aligned sm80 kernel for it and for ``f_b``, whose input is a column slice of it (H200,
         L2 flushed, in_proj + f_b: 4096 tokens 1469 -> 460 us at 6288 rows, 1024: 419 -> 126,
         32: 54 -> 39, 8: 53 -> 38). Padded output columns are never read; every column the
-        split keeps is the same dot product as without the pad (bitwise on CPU; cuBLAS may pick
-        another kernel, hence another summation order, for the wider GEMM)."""
+        split keeps is the same dot product as without the pad, up to the summation order the
+        BLAS picks for the wider product (cuBLAS another kernel; a CPU BLAS another blocking:
+        fp64 on an AMD EPYC host, session 18), so ``prepare_weights_`` pads CUDA weights only."""
         w = self.in_proj.weight
         rows = w.shape[0]
         padded = -(-rows // IN_PROJ_ROW_MULTIPLE) * IN_PROJ_ROW_MULTIPLE
@@ -266,9 +267,10 @@ class LatentMoE(nn.Module):
 
 def prepare_weights_(model: nn.Module) -> nn.Module:
     """The one-time layout work after the weights are in place (loaded, or filled on the device
-    by a benchmark): every KDA ``in_proj`` padded (``KdaAttention.pad_in_proj_``). The state_dict
-    is unchanged; returns ``model``."""
+    by a benchmark): every KDA ``in_proj`` on a CUDA device padded (``KdaAttention.pad_in_proj_``:
+    cuBLAS's aligned kernels; a CPU model keeps the checkpoint's rows, so its bits are the
+    unpadded product's on every BLAS). The state_dict is unchanged; returns ``model``."""
     for module in model.modules():
-        if isinstance(module, KdaAttention):
+        if isinstance(module, KdaAttention) and module.in_proj.weight.is_cuda:
             module.pad_in_proj_()
     return model

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, fields, replace
+from itertools import chain
 
+import numpy as np
 import torch
+
+from k3_trtllm.ops.capture import capturing
 
 
 @dataclass
@@ -47,7 +51,7 @@ class StepInputs:
         device = torch.device(device)
         present = [(f.name, t) for f in fields(self) if (t := getattr(self, f.name)) is not None]
         if (device.type == "cuda" and all(type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype == torch.int32
-                                          for _, t in present) and not torch.cuda.is_current_stream_capturing()):
+                                          for _, t in present) and not capturing(device)):
             return _to_cuda_packed(present, device)
         return StepInputs(**{f.name: t if (t := getattr(self, f.name)) is None else t.to(device) for f in fields(self)})
 
@@ -132,7 +136,7 @@ def with_snapshot_tensors(step: StepInputs) -> StepInputs:
         with torch.inference_mode(False):  # a plain tensor: usable inside and outside inference mode
             offsets = torch.full((slots.shape[0], 1), -1, dtype=torch.int32, device=slots.device)
             pair = offsets, torch.zeros_like(offsets)
-        if not (slots.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if not capturing(slots.device):  # the pair's device, which need not be the current one
             _NO_SNAPSHOTS[key] = pair
     return replace(step, snapshot_offsets=pair[0], snapshot_rows=pair[1])
 
@@ -150,54 +154,79 @@ def build_step(
     block_size: int,
     logits_all: bool = False,
     snapshots: list[list[tuple[int, int]]] | None = None,
+    block_tables: np.ndarray | None = None,
 ) -> StepInputs:
     """Build a step from ``(new_token_ids, context_len, state_slot, block_table)`` per
     sequence. Positions continue from ``context_len``; ``has_initial_state`` is set
     where ``context_len > 0``. With ``logits_all`` every token's logits are requested
     (T rows instead of B), which tests use to compare whole prefills. ``snapshots``: per
     sequence, the ``(offset, snapshot-pool row)`` KDA snapshots its prefill takes (any
-    empty: the step carries no snapshot tensors when all are)."""
-    ids, pos, cu, ctx, slots, slotmap, last = [], [], [0], [], [], [], []
-    max_blocks = max(1, max(len(s[3]) for s in seqs))
-    tables = []
-    for new_ids, context_len, state_slot, table in seqs:
-        if not new_ids:
+    empty: the step carries no snapshot tensors when all are). ``block_tables``: the sequences'
+    tables already as one array, each row zero-padded to the longest (the model runner keeps them
+    between steps); None: read from the lists.
+
+    Every step runs this on the host, so it is a handful of numpy calls whatever the batch: the
+    lists are read once each (``np.fromiter`` over them, about 20 ns an element, where a Python loop
+    per sequence and token and ``torch.tensor`` of nested lists cost 5-10x that), and the fields
+    are numpy arrays handed to torch without a copy."""
+    new_ids, ctx_lens, slot_ids, tables = zip(*seqs)
+    num_seqs = len(seqs)
+    counts = np.fromiter(map(len, new_ids), np.int64, num_seqs)
+    ctx = np.array(ctx_lens, dtype=np.int64)
+    table_lens = np.fromiter(map(len, tables), np.int64, num_seqs)
+    bad = np.flatnonzero((counts == 0) | (ctx + counts > table_lens * block_size))
+    if bad.size:
+        b = int(bad[0])
+        if not counts[b]:
             raise ValueError("every sequence in a step needs at least one new token")
-        n_total = context_len + len(new_ids)
-        if n_total > len(table) * block_size:
-            raise ValueError(f"block table of {len(table)} blocks cannot hold {n_total} tokens")
-        ids.extend(new_ids)
-        for p in range(context_len, n_total):
-            pos.append(p)
-            slotmap.append(table[p // block_size] * block_size + p % block_size)
-        cu.append(len(ids))
-        ctx.append(context_len)
-        slots.append(state_slot)
-        last.append(len(ids) - 1)
-        tables.append(list(table) + [0] * (max_blocks - len(table)))
-    i32 = torch.int32
+        raise ValueError(f"block table of {len(tables[b])} blocks cannot hold {int(ctx[b] + counts[b])} tokens")
+    width = max(1, int(table_lens.max()))
+    if block_tables is not None:
+        if block_tables.shape != (num_seqs, width):
+            raise ValueError(f"block_tables of shape {block_tables.shape} for {num_seqs} sequences whose longest "
+                             f"table has {width} blocks")
+    elif (table_lens == width).all():
+        block_tables = np.fromiter(chain.from_iterable(tables), np.int64, num_seqs * width).reshape(num_seqs, width)
+    else:  # rows padded by zeros: the flat entries fill each row's first len(table) columns, in order
+        block_tables = np.zeros((num_seqs, width), dtype=np.int64)
+        block_tables[np.arange(width) < table_lens[:, None]] = np.fromiter(chain.from_iterable(tables), np.int64,
+                                                                           int(table_lens.sum()))
+    cu = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(counts, out=cu[1:])
+    num_tokens = int(cu[-1])
+    if num_tokens == num_seqs:  # one token each (decode): each token is its sequence
+        owner, positions = np.arange(num_seqs), ctx
+    else:
+        owner = np.repeat(np.arange(num_seqs), counts)
+        positions = np.arange(num_tokens) - cu[owner] + ctx[owner]
+    slot_mapping = block_tables[owner, positions // block_size] * block_size + positions % block_size
     offsets = rows = None
     if snapshots and any(snapshots):
-        if len(snapshots) != len(seqs):
-            raise ValueError(f"snapshots for {len(snapshots)} sequences in a step of {len(seqs)}")
-        width = max(len(s) for s in snapshots)
-        offsets = torch.full((len(seqs), width), -1, dtype=i32)
-        rows = torch.zeros(len(seqs), width, dtype=i32)
-        for b, points in enumerate(snapshots):
-            for i, (offset, row) in enumerate(points):
+        if len(snapshots) != num_seqs:
+            raise ValueError(f"snapshots for {len(snapshots)} sequences in a step of {num_seqs}")
+        points = max(len(p) for p in snapshots)
+        offsets = np.full((num_seqs, points), -1, dtype=np.int32)
+        rows = np.zeros((num_seqs, points), dtype=np.int32)
+        for b, taken in enumerate(snapshots):
+            for i, (offset, row) in enumerate(taken):
                 offsets[b, i], rows[b, i] = offset, row
+    ids = np.fromiter(chain.from_iterable(new_ids), np.int64, num_tokens)
+    last = cu[1:] - 1
+
+    def i32(a):
+        return None if a is None else torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
     return StepInputs(
-        input_ids=torch.tensor(ids, dtype=i32),
-        positions=torch.tensor(pos, dtype=i32),
-        cu_seqlens=torch.tensor(cu, dtype=i32),
-        context_lens=torch.tensor(ctx, dtype=i32),
-        logits_indices=torch.arange(len(ids), dtype=i32) if logits_all else torch.tensor(last, dtype=i32),
-        block_tables=torch.tensor(tables, dtype=i32),
-        slot_mapping=torch.tensor(slotmap, dtype=i32),
-        state_slots=torch.tensor(slots, dtype=i32),
-        has_initial_state=torch.tensor([1 if c > 0 else 0 for c in ctx], dtype=i32),
-        snapshot_offsets=offsets,
-        snapshot_rows=rows,
+        input_ids=i32(ids),
+        positions=i32(positions),
+        cu_seqlens=i32(cu),
+        context_lens=i32(ctx),
+        logits_indices=i32(np.arange(num_tokens) if logits_all else last),
+        block_tables=i32(block_tables),
+        slot_mapping=i32(slot_mapping),
+        state_slots=i32(np.array(slot_ids, dtype=np.int64)),
+        has_initial_state=i32(ctx > 0),
+        snapshot_offsets=i32(offsets),
+        snapshot_rows=i32(rows),
     )
 
 

@@ -162,18 +162,23 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow ``seq.block_table`` to hold ``num_new_tokens`` more tokens."""
-        start = seq.num_cached_tokens
-        for block in seq.block_table[start // self.block_size: self.blocks_for(start + num_new_tokens)]:
+        # every decode step of every sequence comes here: the block arithmetic is inlined, and a
+        # step that fills no new block (most decode steps) stops after the write check
+        start, table = seq.num_cached_tokens, seq.block_table
+        end = -(-(start + num_new_tokens) // self.block_size)
+        for block in table[start // self.block_size: end]:
             if self._refs[block] != 1 or self._hash_of[block] is not None:
                 raise ValueError(f"sequence {seq.seq_id} would write tokens {start}.. into block {block}, which is "
                                  f"shared ({self._refs[block]} owners) or holds a cached prefix")
-        needed = self.blocks_for(start + num_new_tokens) - len(seq.block_table)
+        needed = end - len(table)
+        if needed <= 0:
+            return
         if needed > self.num_free:
             raise ValueError(f"sequence {seq.seq_id} needs {needed} blocks, {self.num_free} are free")
         for _ in range(needed):
             block = self._take()
             self._refs[block] = 1
-            seq.block_table.append(block)
+            table.append(block)
 
     def _take(self) -> int:
         if self._free:

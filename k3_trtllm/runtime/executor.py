@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 
 from k3_trtllm.model.step import StepInputs
+from k3_trtllm.ops.kda.verdicts import check_snapshot_verdicts
 
 
 class Executor(Protocol):
@@ -116,7 +117,11 @@ class TorchExecutor:
     replays from a step on the host (``build_step`` makes it there). Prefill and mixed steps
     run eagerly.
     Multi-rank models stay eager (every rank would have to capture the same collectives).
-    Prefills write the prefix cache's KDA snapshots (the ops take the step's snapshot points)."""
+    Prefills write the prefix cache's KDA snapshots (the ops take the step's snapshot points).
+    The KDA kernels judge a step's snapshot points on the device (``ops/kda/verdicts.py``): after
+    every step the verdicts of this device that have landed are read (no sync), and after a step
+    that took snapshots all of them, waiting: a refused table raises its ValueError from the step
+    that ran it, before the caller samples (which waits for the step anyway) and records it."""
 
     writes_snapshots = True
 
@@ -144,6 +149,13 @@ class TorchExecutor:
 
     @torch.inference_mode()
     def execute(self, step: StepInputs, decode: bool) -> torch.Tensor:
+        logits = self._run(step, decode)
+        # waiting costs the host little: the step is queued whole, and its verdict lands after the
+        # first KDA layer's table kernel, well before the logits the caller's sampling waits for
+        check_snapshot_verdicts(wait=step.snapshot_offsets is not None, device=self.device)
+        return logits
+
+    def _run(self, step: StepInputs, decode: bool) -> torch.Tensor:
         # a replay stages the step through pinned host memory: a step already on the device runs eagerly
         on_host = step.input_ids.device.type == "cpu"
         if not (self.cuda_graphs and decode and on_host and step.num_seqs <= self.max_graph_batch

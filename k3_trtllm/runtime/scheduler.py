@@ -101,14 +101,20 @@ class Scheduler:
         budget = self.max_num_tokens
         preemptions_before = self.num_preemptions
         # Decodes first, then prefill chunks of running sequences. Iterate over a copy:
-        # preemption removes sequences from self.running.
+        # preemption removes sequences from self.running. The decode pass sets the prefills
+        # aside in running order for the second (a sequence's phase changes only when it is
+        # preempted, which the status check skips), so a batch of decodes is walked once; a
+        # pass stopped by the budget or the batch size leaves nothing for the second.
+        prefills: list[Sequence] = []
         for decode_pass in (True, False):
-            for seq in list(self.running):
+            for seq in list(self.running) if decode_pass else prefills:
                 if budget == 0 or len(batch.entries) == self.max_batch_size:
+                    prefills = []
                     break
                 if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
                     continue
-                if (seq.num_uncached_tokens == 1) != decode_pass:
+                if decode_pass and seq.num_uncached_tokens != 1:
+                    prefills.append(seq)
                     continue
                 capacity = self._make_room(seq, scheduled)
                 if capacity == 0:

@@ -139,34 +139,23 @@ cudaError_t launch_chunked(const Params& p, void* workspace, int num_tokens, cud
   const int* verdict = nullptr;
   if ((err = launch_table_and_conv_snapshots<W>(p, D, starts, &verdict, stream)) != cudaSuccess) return err;
   dim3 pgrid(k3::kda::max_chunks(num_tokens, p.num_seqs), p.num_heads);
-#ifdef K3_KDA_PREP_ONE_CTA  // measurement build: pad the shared memory to one CTA per SM
-  constexpr int kPrepSmem = 200 * 1024;
-  if ((err = cudaFuncSetAttribute(prepare, cudaFuncAttributeMaxDynamicSharedMemorySize, kPrepSmem)) != cudaSuccess)
-    return err;
-#else
-  constexpr int kPrepSmem = (int)Prep::BYTES;
-#endif
-  prepare<<<pgrid, k3::kda::kPrepThreads, kPrepSmem, stream>>>(p, work, starts);
+  // Prep::BYTES lets 2 CTAs share an SM; padded to one CTA per SM the whole prefill took
+  // 1.581 instead of 1.197 ms at T4096 x 96 heads (session 13, bench/NOTES_kda.md).
+  prepare<<<pgrid, k3::kda::kPrepThreads, Prep::BYTES, stream>>>(p, work, starts);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   // the prepare kernel has read the old conv state; the walk does not need it
   if ((err = launch_conv_state<W>(p, D, stream)) != cudaSuccess) return err;
   const bool narrow = 2 * p.num_seqs * p.num_heads * (D / 32) <= sms;
-#ifdef K3_KDA_WALK_ONE_STAGE  // measurement build: one stage, 2 CTAs/SM at every length
-  const bool short_seqs = true;
-#else
+  // one stage at every length cost 0.47 -> 0.65 ms of walk at 1 x 16384 x 12 heads (session
+  // 13: one CTA per SM there, nothing overlaps its copies), hence the 1024-token bound
   const bool short_seqs = num_tokens <= 1024 * p.num_seqs;
-#endif
   if (narrow) return short_seqs ? launch_walk<D, 16, 1>(p, work, starts, stream)
                                 : launch_walk<D, 16, 2>(p, work, starts, stream);
   // Long sequences: 32-column CTAs as two groups of 16 columns, 8 warps on one operand copy
-  // (session 17: T16384 x 96 heads walk 1.911 -> 1.683 ms, bit-identical; the same for short
-  // sequences, one stage at 2 CTAs/SM, gained nothing). K3_KDA_WALK_G1, measurement: one group.
+  // (session 17, bench/NOTES_kda.md: T16384 x 96 heads walk 1.911 ms as one 32-column group ->
+  // 1.683 ms, bit-identical; the same for short sequences, one stage at 2 CTAs/SM, gained nothing).
   if (short_seqs) return launch_walk<D, 32, 1>(p, work, starts, stream);
-#ifdef K3_KDA_WALK_G1
-  return launch_walk<D, 32, 2>(p, work, starts, stream);
-#else
   return launch_walk<D, 16, 2, 2>(p, work, starts, stream);
-#endif
 }
 
 struct Launch {

@@ -162,13 +162,11 @@ bool fp8_supported(int rank, int rope, int scale_group) {
 
 // The fp8 cache's direct kernel (K3 latent, <= 16 heads, scale groups of 128 channels, K3's: the
 // MMAs read the raw stage, no bf16 tile) holds 3 raw 32-row stages (63 KB; 97 KB per CTA, 2
-// CTAs per SM) so that as many bytes are in flight as the bf16 ring's 2 x 37 KB. Other fp8
-// shapes dequantise each stage into a bf16 tile first (K3_MLA_FP8_SMEM_DEQUANT forces that
-// everywhere, for comparisons).
-#ifndef K3_MLA_FP8_STAGES
-#define K3_MLA_FP8_STAGES 3
-#endif
-constexpr int kSmallStagesFp8 = K3_MLA_FP8_STAGES;
+// CTAs per SM) so that as many bytes are in flight as the bf16 ring's 2 x 37 KB (2 stages:
+// 533.1 instead of 521.4 us at B 64 x 32k x 12 heads, session 16). Other fp8 shapes dequantise
+// each stage into a bf16 tile first (at the direct kernel's shapes 818.3 us there,
+// bench/NOTES_mla.md session 16).
+constexpr int kSmallStagesFp8 = 3;
 
 template <int R, int DR, int MT, int STAGES, bool FP8, bool DIRECT>
 cudaError_t launch_attention_kernel(const k3::mla::LatentAttentionParams& p, cudaStream_t stream) {
@@ -184,10 +182,8 @@ cudaError_t launch_attention_kernel(const k3::mla::LatentAttentionParams& p, cud
 
 template <int R, int DR, int MT, bool FP8>
 cudaError_t launch_attention_mt(const k3::mla::LatentAttentionParams& p, cudaStream_t stream) {
-#ifndef K3_MLA_FP8_SMEM_DEQUANT
   if constexpr (FP8 && R == 512 && DR == 64 && MT == 1)
     if (p.scale_group == 128) return launch_attention_kernel<R, DR, MT, kSmallStagesFp8, true, true>(p, stream);
-#endif
   return launch_attention_kernel<R, DR, MT, kSmallStages, FP8, false>(p, stream);
 }
 
@@ -364,9 +360,9 @@ constexpr int kExpandedMinTokensPerSeq = 384;
 // heads and 85504 at 12: longer key ranges (100k+ contexts) take several passes.
 constexpr size_t kPassBufferBytes = size_t{512} << 20;
 constexpr int kPassKeysAlign = k3::mla::kExpandBM;
-// Query tiles of 256 rows (two 16-row blocks per warp: half the K/V fragment loads per
-// MMA; 1.25x the 128-row kernel at T = 16384, bench/NOTES_mla.md) while they still give
-// every SM >= 4 items to balance; 128 rows otherwise.
+// The mma.sync flash kernel's query tiles: 256 rows (two 16-row blocks per warp: half the K/V
+// fragment loads per MMA; 1.25x the 128-row kernel at T = 16384 when it ran the K3 dims,
+// bench/NOTES_mla.md) while they still give every SM >= 4 items to balance; 128 rows otherwise.
 constexpr int kWideItemsPerSm = 4;
 
 bool expanded_supported(int rank, int rope, int nope, int v_dim) {
@@ -477,15 +473,6 @@ cudaError_t launch_flash(const k3::mla::FlashParams& p, cudaStream_t stream) {
                                                                        p, stream);
 }
 
-// The wgmma kernel for the K3 dims (whole expanded prefill 1.2-1.5x faster than with the
-// mma.sync kernel, bench/NOTES_mla.md session 13); the mma.sync kernel for the other dims,
-// and for all with K3_MLA_PREFILL_MMA_SYNC (same-call comparisons).
-#ifdef K3_MLA_PREFILL_MMA_SYNC
-constexpr bool kFlashWgmma = false;
-#else
-constexpr bool kFlashWgmma = true;
-#endif
-
 cudaError_t launch_flash_wgmma(const k3::mla::FlashParams& p, cudaStream_t stream) {
   return launch_persistent_flash<k3::mla::FlashWgmmaConfig>(k3::mla::flash_prefill_wgmma_kernel, p, stream);
 }
@@ -506,12 +493,15 @@ cudaError_t expanded_forward(const K3MlaParams& p, int scale_group, const Expand
   const bool fp8 = scale_group > 0;
   const ExpandedLayout l = carve_expanded(workspace, num_tokens, num_seqs, num_heads, nope, rope, v_dim,
                                           plan.pass_keys, plan.several_passes, fp8 ? rank + rope : 0);
-  const int wide_rows = k3::mla::FlashConfig<128, 64, 128, 2>::BM;
+  const int wide_rows = k3::mla::FlashConfig<32, 16, 32, 2>::BM;
   const bool wide = static_cast<int64_t>((num_tokens + wide_rows - 1) / wide_rows + num_seqs) * num_heads >=
                     static_cast<int64_t>(kWideItemsPerSm) * sm_count();
-  const bool wgmma = kFlashWgmma && nope == k3::mla::FlashWgmmaConfig::DN;
+  // The wgmma kernel for the K3 dims (whole expanded prefill 1.2-1.5x faster than with the
+  // mma.sync kernel, bench/NOTES_mla.md session 13); the mma.sync kernel for the tiny dims
+  // (32, 16, 32), the only others expanded_supported() lets in.
+  const bool wgmma = nope == k3::mla::FlashWgmmaConfig::DN;
   const int tile_rows = wgmma ? k3::mla::FlashWgmmaConfig::BM
-                              : wide ? wide_rows : k3::mla::FlashConfig<128, 64, 128, 1>::BM;
+                              : wide ? wide_rows : k3::mla::FlashConfig<32, 16, 32, 1>::BM;
   cudaError_t err = insert_latents(latent, slot_mapping, p.latent_cache, num_tokens, rank, rope, scale_group, stream);
   if (err != cudaSuccess) return err;
   k3::mla::prefill_offsets_kernel<<<1, 256, 0, stream>>>(cu_seqlens, context_lens, num_seqs, tile_rows,
@@ -590,8 +580,6 @@ cudaError_t expanded_forward(const K3MlaParams& p, int scale_group, const Expand
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
     if (wgmma)
       err = launch_flash_wgmma(f, stream);
-    else if (nope == 128)
-      err = wide ? launch_flash<128, 64, 128, 2>(f, stream) : launch_flash<128, 64, 128, 1>(f, stream);
     else
       err = wide ? launch_flash<32, 16, 32, 2>(f, stream) : launch_flash<32, 16, 32, 1>(f, stream);
     if (err != cudaSuccess) return err;

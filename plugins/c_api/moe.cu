@@ -278,21 +278,30 @@ int moe_forward(const MoeArgs& a) {
   // Few rows per expert (at most kDecodeMaxRows on average): the weight-streaming decode GEMMs,
   // 8-row tiles when T <= 8 (no expert can get more), else 16; otherwise the tiled GEMMs, whose
   // 128-row (wgmma) or 64-row (mma.sync, sizes the wgmma tiles do not divide) tiles reuse each
-  // weight tile across tokens. Batch-invariant mode: the tiled GEMMs for every T (their k order
-  // and epilogue differ from the decode GEMMs').
-  const bool decode = !batch_invariant() && assignments <= kDecodeMaxRows * a.El;
+  // weight tile across tokens. The average is over all E experts: an EP rank's El get about
+  // T·k·El/E of the T·k assignments (2.3 rows each at K3's EP8 with T = 128, where counting
+  // all assignments against El experts took the tiled GEMMs). Batch-invariant mode: the tiled
+  // GEMMs for every T (their k order and epilogue differ from the decode GEMMs').
+  const bool decode = !batch_invariant() && assignments <= kDecodeMaxRows * a.E;
   const bool wgmma = !decode && wgmma_tiles_fit(a.L, a.I);
   const int bm = wgmma ? kWgBM : !decode ? BM : a.T <= 8 ? 8 : 16;
   int err = cudaSuccess;
   if (gemv_logits_apply(a.T, a.D) && decode_route_applies(a.T, a.E, a.k, a.G)) {
     // Decode: the router GEMV, then one CTA selects, counts, scans and scatters: two launches
-    // where the prefill path has five and a memset.
+    // where the prefill path has five and a memset (three past kGroupSelectMaxTokens tokens,
+    // where T CTAs select first: decode_route.cuh).
     const RouteParams p{a.E, a.k, a.G, a.topk_group, a.scoring, a.renormalize, a.scale};
     err = launch_logits_gemv(static_cast<const __nv_bfloat16*>(a.x), a.router_weight, w.logits, a.T, a.D, a.E, st);
     if (err != cudaSuccess) return err;
+    const bool preselect = select_kernel_applies(a.T, a.scoring);
+    if (preselect)
+      launch_dependent(route_select_group_kernel, dim3(a.T), dim3(kSelectGroupWarps * 32), st,
+                       static_cast<const float*>(w.logits), a.bias, p, w.topk_ids, w.topk_weights);
     with_experts_per_lane(a.E, [&](auto per_lane) {
       launch_dependent(route_schedule_kernel<decltype(per_lane)::value>, dim3(1), dim3(kScanThreads), st,
-                       static_cast<const float*>(w.logits), a.bias, p, a.T, a.offset, a.El, bm, s);
+                       static_cast<const float*>(w.logits), a.bias, p, a.T, a.offset, a.El, bm, s,
+                       static_cast<const int*>(preselect ? w.topk_ids : nullptr),
+                       static_cast<const float*>(preselect ? w.topk_weights : nullptr));
     });
   } else {
     const bool fold = route_folds(a.T, a.D, a.E, a.k, a.G);

@@ -22,7 +22,9 @@ Tolerances (relative Frobenius error):
   state rows < 5e-3 against the reference's chunked form; conv rows are raw inputs: exact. The
   softplus gate's prefill (token recurrence, all fp32) stores its state after the point's token:
   < 1e-4 against the chunked fp32 reference (the two forms differ by 2e-6 on the CPU at that
-  test's shape, summation order only). Snapshot tables that break the contract: no row written.
+  test's shape, summation order only). Snapshot tables that break the contract: no row written,
+  and the refusal reaches the caller (ops/kda/verdicts.py: a full ring keeps the verdict of the
+  call that raised, one ring per device, the torch executor raises it from the step).
 Skips without CUDA or without build/libk3_kernels.so.
 """
 from __future__ import annotations
@@ -364,3 +366,105 @@ def test_bad_snapshot_points_write_nothing(bad, lower_bound):
     good = snapshot_case([200, 70, 5], [1, 0, 1], [[64, 200], [70], [5]], 4, 64, lower_bound, seed=41)
     run(PREFILL, good, "cuda", snapshots=True)
     kda_kernels.check_snapshot_verdicts()
+
+
+REFUSED = r"kda_prefill.*snapshot_offsets / snapshot_rows"
+
+
+def _bad_table_case():
+    """A prefill whose snapshot table the kernels refuse (a point at 0) and its inputs on the device."""
+    case = snapshot_case([200, 70, 5], [1, 0, 1], BAD_SNAPSHOTS["zero"], 4, 64, -5.0, seed=43, spare=5)
+    return case, {k: case[k].clone().cuda() for k in ARG_ORDER}
+
+
+def test_a_full_ring_keeps_the_verdict_of_the_call_that_raised():
+    """With the device held back (a sleep kernel) the host queues a ring's worth of prefills ahead of
+    their verdicts, the first with a refused table: the next launch waits for the oldest, raises its
+    refusal, and still queues its own (refused too), which the final check raises in turn."""
+    kda_kernels.check_snapshot_verdicts()
+    case, tensors = _bad_table_case()
+    ring = kda_kernels.verdicts.ring(tensors["qkv"].device)
+    # every call its own table tensors, so that each queues a verdict
+    bad = tensors["snapshot_offsets"]
+    tables = [bad.clone()] + [torch.full_like(bad, -1) for _ in range(ring.SIZE - 1)] + [bad.clone()]
+
+    def launch(offsets):
+        PREFILL(*(offsets if k == "snapshot_offsets" else tensors[k] for k in ARG_ORDER), *case["attrs"])
+    launch(torch.full_like(bad, -1))  # a good call first: the ring's words and events exist before the sleep
+    kda_kernels.check_snapshot_verdicts()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second: no verdict lands while the host queues
+    for offsets in tables[:-1]:
+        launch(offsets)
+    assert ring.count == ring.SIZE
+    with pytest.raises(ValueError, match=REFUSED):
+        launch(tables[-1])
+    assert ring.count == ring.SIZE, "the call that raised lost its own verdict"
+    with pytest.raises(ValueError, match=REFUSED):
+        kda_kernels.check_snapshot_verdicts()
+    kda_kernels.check_snapshot_verdicts()
+    assert ring.count == 0
+
+
+def test_verdicts_are_read_per_device():
+    """A check of another device neither waits for nor raises this device's verdict; every spelling
+    of this device reads it. With two GPUs, a refusal on the second is the second's alone."""
+    kda_kernels.check_snapshot_verdicts()
+    case, tensors = _bad_table_case()
+    PREFILL(*(tensors[k] for k in ARG_ORDER), *case["attrs"])
+    torch.cuda.synchronize()
+    here = torch.cuda.current_device()
+    kda_kernels.check_snapshot_verdicts(device="cpu")
+    assert kda_kernels.verdicts.ring(torch.device("cuda")).count == 1
+    with pytest.raises(ValueError, match=REFUSED):
+        kda_kernels.check_snapshot_verdicts(device=f"cuda:{here}")
+    if torch.cuda.device_count() > 1:
+        other = (here + 1) % torch.cuda.device_count()
+        with torch.cuda.device(other):
+            on_other = {k: t.to(f"cuda:{other}") for k, t in tensors.items()}
+            PREFILL(*(on_other[k] for k in ARG_ORDER), *case["attrs"])
+        torch.cuda.synchronize(other)
+        kda_kernels.check_snapshot_verdicts(device=f"cuda:{here}")
+        with pytest.raises(ValueError, match=REFUSED):
+            kda_kernels.check_snapshot_verdicts(device=f"cuda:{other}")
+    kda_kernels.check_snapshot_verdicts()
+
+
+def test_capture_is_judged_on_the_tensors_device():
+    """``ops/capture.capturing`` (what step.py and this binding ask before event queries and the
+    packed step copy): true on the capturing device, false outside, false for another device."""
+    from k3_trtllm.ops.capture import capturing
+    here = torch.device("cuda", torch.cuda.current_device())
+    others = [torch.device("cuda", i) for i in range(torch.cuda.device_count()) if i != here.index]
+    x = torch.zeros(8, device=here)
+    graph, seen = torch.cuda.CUDAGraph(), {}
+    with torch.cuda.graph(graph):
+        x += 1
+        seen = {"here": capturing(here), "plain": capturing(torch.device("cuda")),
+                "others": [capturing(d) for d in others], "cpu": capturing(torch.device("cpu"))}
+    assert seen == {"here": True, "plain": True, "others": [False] * len(others), "cpu": False}
+    assert not capturing(here)
+
+
+def test_the_executor_raises_a_refused_table_from_its_step():
+    """The torch executor waits for a step's verdicts when the step took snapshots: a refused table
+    raises its ValueError from that step's ``execute`` (no hang, no later call needed), and a good
+    run through the engine leaves the device's ring empty."""
+    from pathlib import Path
+
+    from k3_trtllm.model import build_step
+    from k3_trtllm.runtime.engine import build_engine
+    from k3_trtllm.runtime.sequence import SamplingParams
+    kda_kernels.check_snapshot_verdicts()
+    tiny = Path(__file__).resolve().parents[2] / "examples" / "tiny-k3"
+    engine = build_engine(str(tiny), dtype=torch.bfloat16, device="cuda", block_size=16, num_blocks=64,
+                          max_slots=4, max_batch_size=4, max_num_tokens=256, max_seq_len=128, prefix_cache=True,
+                          prefix_cache_interval=16, snapshot_slots=16)
+    executor = engine.runner.executor
+    engine.generate([list(range(3, 43)), list(range(5, 30))],
+                    SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True))
+    assert kda_kernels.verdicts.ring(executor.device).count == 0
+    bad = build_step([(list(range(3, 43)), 0, 0, [0, 1, 2])], 16, snapshots=[[(0, 0)]])
+    with pytest.raises(ValueError, match=REFUSED):
+        executor.execute(bad, False)
+    assert kda_kernels.verdicts.ring(executor.device).count == 0

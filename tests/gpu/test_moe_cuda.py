@@ -119,9 +119,10 @@ def check_selection(cuda_moe, inputs, attrs):
     return ref_ids, ref_w
 
 
-# T*k <= 16 * local experts takes the decode GEMMs (16-row tiles), above it the tiled GEMMs:
-# 1 and 7 decode; 40 decode for "plain", "grouped_softmax" and "wgmma_tiles" with experts over 16
-# rows (several decode tiles), tiled for the EP shards; 300 tiled everywhere. The "wgmma_*"
+# T*k <= 16 * E (16 rows per expert on average over all experts) takes the decode GEMMs (16-row
+# tiles), above it the tiled GEMMs: 1, 7 and 40 decode (40 with experts over 16 rows in "plain",
+# "grouped_softmax" and "wgmma_tiles": several decode tiles); 300 tiled but for
+# "many_experts_softmax" (400 experts, 40 local: the prefill route, then the decode GEMMs). The "wgmma_*"
 # cases' tiled GEMMs are the warpgroup-MMA ones, the others' the mma.sync ones. MXFP4 decode
 # slabs at 1 and 7 tokens (8-row tiles): wide (16 bytes per lane and row) where K % 128 == 0
 # (L 128, 256, 512; I 128, 256), narrow (8 bytes) at K 64 and 192; narrow at 40 (16-row tiles).
@@ -296,6 +297,35 @@ def test_prefill_router_logits_as_accurate_as_fp32(cuda_moe, num_experts, T):
     again = torch.full_like(logits, float("nan"))
     cuda_moe.route(x, router, bias, 16, 1, 1, 0, True, 1.0, logits=again)
     assert torch.equal(again, logits), "router logits differ between two identical calls"
+    check_selection(cuda_moe, [x, None, router, bias], attrs_of(case))
+
+
+@pytest.mark.parametrize("num_experts,T,D", [(100, 1000, 96), (100, 200, 200), (72, 520, 136)])
+def test_router_logits_at_tile_and_k_edges(cuda_moe, num_experts, T, D):
+    """The logits kernels' copies at every edge (router_mma.cuh's RtStageLoader, whose general
+    path runs only there): D not a multiple of the 64-k stage (a part stage zero-filled past D),
+    a partial last expert tile (100 = 64 + 36, 72 = 64 + 8) and token tile (1000 = 15·64 + 40,
+    520 = 8·64 + 8), on the whole-D tiles (T = 1000, 520) and the D-split clusters (T = 200:
+    4 stages over 8 CTAs, so some CTAs sum none). Against fp64; a misplaced or missing chunk
+    is off by the size of a logit, far beyond twice the error of a sequential fp32 sum (the
+    bound here: at D ~100 the chains' truncation is no longer small next to that sum's 100
+    roundings, as it is at K3's D in the test above)."""
+    case = (num_experts, num_experts, 0, 16, 1, 1, 0, 1, 1.0, 1, 2.0, 4.0, 64, 64, D)
+    g = torch.Generator(device="cuda").manual_seed(D)
+    x = torch.randn(T, D, generator=g, device="cuda").bfloat16()
+    router = torch.randn(num_experts, D, generator=g, device="cuda") * D ** -0.5
+    bias = torch.randn(num_experts, generator=g, device="cuda") * 0.1
+    logits = torch.full((T, num_experts), float("nan"), device="cuda")
+    cuda_moe.route(x, router, bias, 16, 1, 1, 0, True, 1.0, logits=logits)
+    exact = x.double() @ router.double().T
+    sequential = torch.zeros(T, num_experts, device="cuda")
+    for k in range(D):
+        sequential += x.float()[:, k, None] * router[None, :, k]
+    err, err_seq = (logits.double() - exact).abs(), (sequential.double() - exact).abs()
+    print(f"router logits E={num_experts} T={T} D={D}: max err {float(err.max()):.2e} "
+          f"(sequential fp32 {float(err_seq.max()):.2e})")
+    assert torch.isfinite(logits).all()
+    assert float(err.max()) <= 2 * float(err_seq.max())
     check_selection(cuda_moe, [x, None, router, bias], attrs_of(case))
 
 

@@ -10,27 +10,29 @@ Snapshot points are device values: the reference checks them on the host, which 
 device sync per call here. The kernels check them instead (chunk table kernel, in parallel with
 its scan): a step with a bad entry takes no snapshot at all, and nothing is written out of
 bounds. The verdict word comes back to pinned host memory behind the launch (a 4-byte copy on
-the stream, no sync) and is read once its copy has completed: at the start of a later KDA call,
-or by ``check_snapshot_verdicts()``, which waits for all and which callers run after a step's
-sync. Either raises ValueError naming snapshot_offsets / snapshot_rows. The verdict depends on
-the step's snapshot table only (offsets, rows, cu_seqlens, pool rows), which every KDA layer of
-a step shares: only a call with other table tensors (objects, storage, shape) fetches its
-verdict. (Inference tensors keep no version counter, so a table rewritten in place under the same
-tensors is not fetched again; the kernels refuse a bad one all the same.)
+the stream, no sync) and is read once its copy has completed (``verdicts.py``: one ring per
+device): at the start of a later KDA call on that device, or by ``check_snapshot_verdicts()``,
+which the torch executor runs after every step (those that landed) and, waiting, after a step
+that took snapshots. Either raises ValueError naming snapshot_offsets / snapshot_rows. The
+verdict depends on the step's snapshot table only (offsets, rows, cu_seqlens, pool rows), which
+every KDA layer of a step shares: only a call with other table tensors (objects, storage, shape)
+fetches its verdict. (Inference tensors keep no version counter, so a table rewritten in place
+under the same tensors is not fetched again; the kernels refuse a bad one all the same.)
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import threading
 
 import torch
 
 from .. import registry
 from ..c_abi import KDA
+from ..capture import capturing
 from ..contract import KDA_DECODE, KDA_PREFILL, OpContract
-from . import reference
+from . import reference, verdicts
 from ..cuda_library import check, fall_back, load_library, stream_of
+from .verdicts import check_snapshot_verdicts  # noqa: F401  (the binding's public check, re-exported)
 
 _ARGTYPES = [ctypes.POINTER(KDA.structure), ctypes.c_void_p]  # const K3KdaParams*, stream
 _lib: ctypes.CDLL | None = None
@@ -52,78 +54,6 @@ def _library() -> ctypes.CDLL:
         lib.k3_kda_prefill_snapshot_verdict_offset.restype = ctypes.c_size_t
         _lib = lib
     return _lib
-
-
-_BAD_SNAPSHOTS = ("snapshot_offsets / snapshot_rows break the contract (per sequence: points strictly "
-                  "increasing in (0, its token count], each a multiple of 64 or that count, -1 entries last; "
-                  "rows in [0, Ns))")
-
-
-class _Verdicts:
-    """Snapshot verdict words of launched prefills on their way to the host: a ring of pinned words,
-    each with the event recorded after its copy, read in launch order once the copy has landed.
-    Preallocated, so a launch costs one 4-byte copy and one event record on the host."""
-
-    SIZE = 64  # launches the host may run ahead of their verdicts before it waits for the oldest
-
-    def __init__(self):
-        self.lock = threading.Lock()  # the serve engine loop and a caller's thread may both run ops
-        self.words: torch.Tensor | None = None
-        self.events: list[torch.cuda.Event] = []
-        self.what: list[str] = [""] * self.SIZE
-        self.head = self.count = 0  # oldest queued entry, entries queued
-        self.table: tuple = ()  # the last watched call's tensors (kept alive: `is` stays exact) and key
-
-    def watch(self, work: torch.Tensor, table: tuple[torch.Tensor, ...], pool_rows: int, what: str) -> None:
-        """Queue the verdict of a launched prefill, unless the last watched call had the same table."""
-        key = (tuple((t.data_ptr(), tuple(t.shape)) for t in table), pool_rows)
-        last = self.table
-        if last and all(a is b for a, b in zip(last[0], table)) and last[1] == key:
-            return
-        self.table = (table, key)
-        num_seqs = table[2].shape[0] - 1
-        offset = _library().k3_kda_prefill_snapshot_verdict_offset(num_seqs)
-        while True:
-            with self.lock:
-                if self.words is None:
-                    self.words = torch.zeros(self.SIZE, dtype=torch.int32, pin_memory=True)
-                    self.events = [torch.cuda.Event() for _ in range(self.SIZE)]
-                if self.count < self.SIZE:
-                    i = (self.head + self.count) % self.SIZE
-                    self.words[i:i + 1].view(torch.uint8).copy_(work[offset:offset + 4], non_blocking=True)
-                    self.events[i].record(torch.cuda.current_stream(work.device))  # rare: new tables only
-                    self.what[i] = what
-                    self.count += 1
-                    return
-            self.check(wait=True, limit=1)  # the host is SIZE launches ahead: wait for the oldest
-
-    def check(self, wait: bool, limit: int | None = None) -> None:
-        """Read the queued verdicts in order (``wait``: all, waiting for their copies; else those
-        that have landed, stopping at the first that has not); raise for the first bad one."""
-        done = 0
-        while limit is None or done < limit:
-            with self.lock:
-                if self.count == 0:
-                    return
-                i = self.head
-                event = self.events[i]
-                if not wait and not event.query():
-                    return
-                event.synchronize()
-                bad, what = int(self.words[i]) != 0, self.what[i]
-                self.head, self.count = (i + 1) % self.SIZE, self.count - 1
-            done += 1
-            if bad:
-                raise ValueError(f"k3::kda_prefill ({what}): {_BAD_SNAPSHOTS}; that call wrote no snapshot")
-
-
-_verdicts = _Verdicts()
-
-
-def check_snapshot_verdicts(wait: bool = True) -> None:
-    """Raise ValueError for a launched prefill whose snapshot points the kernels refused (that call
-    wrote no snapshot). ``wait``: wait for every launched verdict; else read only those that landed."""
-    _verdicts.check(wait)
 
 
 @functools.lru_cache(maxsize=None)
@@ -155,8 +85,8 @@ def _make_impl(contract: OpContract, launcher_name: str, reference_fn):
         # a call that breaks the contract raises on every path; neither check reads device values
         reference.check_attributes(num_heads, head_dim, lower_bound)
         contract.check(*args)
-        if not torch.cuda.is_current_stream_capturing():  # event queries are not capture-safe
-            check_snapshot_verdicts(wait=False)  # earlier prefills' verdicts that have arrived
+        if not capturing(qkv.device):  # event queries are not capture-safe
+            check_snapshot_verdicts(wait=False, device=qkv.device)  # this device's earlier verdicts, landed
         reason = _unsupported(qkv, conv_weight, recurrent_state, snapshot_recurrent, head_dim)
         if reason is not None:
             return fall_back(contract.name, reason, reference_fn, *args)
@@ -176,8 +106,11 @@ def _make_impl(contract: OpContract, launcher_name: str, reference_fn):
         if status:
             check(status, launcher_name)
         if prefill and B > 0:  # with no sequence the launcher returns before the table kernel
-            _verdicts.watch(work, (*snapshot_index, index[0]), snapshot_recurrent.shape[0],
-                            f"{T} tokens of {B} sequences")
+            def word() -> torch.Tensor:  # the verdict's 4 bytes in the workspace
+                at = lib.k3_kda_prefill_snapshot_verdict_offset(B)
+                return work[at:at + 4]
+            verdicts.ring(qkv.device).watch(word, (*snapshot_index, index[0]), snapshot_recurrent.shape[0],
+                                            f"{T} tokens of {B} sequences")
         return out
 
     return impl

@@ -63,9 +63,6 @@ def _library() -> ctypes.CDLL:
     return _lib
 
 
-_stream = stream_of  # every norm launch of a step asks
-
-
 def _weight(w: torch.Tensor | None) -> tuple[int | None, int] | None:
     """(pointer, K3_NORM_WEIGHT_*) of a norm weight read in its stored dtype, None if the kernels
     cannot read it (fp64, not contiguous, another device)."""
@@ -174,7 +171,7 @@ def _norm(x, weight, gate, eps):
     else:
         p = _RMS_NORM.pack(x.data_ptr(), x.stride(0), x.stride(1), gate.data_ptr(), gate.stride(0), gate.stride(1),
                            w_ptr, w_type, out.data_ptr(), shape[0], shape[1], shape[-1], eps)
-    _launch(_library().k3_rms_norm, p, _stream(x), lambda: f"k3_rms_norm (x {list(x.shape)} {x.stride()})")
+    _launch(_library().k3_rms_norm, p, stream_of(x), lambda: f"k3_rms_norm (x {list(x.shape)} {x.stride()})")
     return out
 
 
@@ -251,7 +248,7 @@ def _mix_call(sources, terms, query, eps, norm_weight, norm_eps, rows, partial_o
                            partial_out.data_ptr() if partial_out is not None else 0,
                            rows.data_ptr() if rows is not None else 0, query.data_ptr(), eps, w_ptr, w_type,
                            norm_eps, int(round_mix), out.data_ptr(), out_tokens, first.shape[1])
-    _launch(_library().k3_attn_res_mix_norm, p, _stream(out),
+    _launch(_library().k3_attn_res_mix_norm, p, stream_of(out),
             lambda: f"k3_attn_res_mix_norm ({len(sources)} sources {list(first.shape)}, {out_tokens} rows)")
     return out
 
@@ -309,5 +306,5 @@ def _glu(op, ref, gate, up, activation, beta, linear_beta):
     out = torch.empty(tokens, inter, dtype=gate.dtype, device=device)
     p = _GLU.pack(gate.data_ptr(), up.data_ptr(), gate.stride(0), up.stride(0), out.data_ptr(), tokens, inter,
                   int(activation), beta, linear_beta)
-    _launch(_library().k3_glu, p, _stream(out), lambda: f"k3_glu ({op}, {list(gate.shape)})")
+    _launch(_library().k3_glu, p, stream_of(out), lambda: f"k3_glu ({op}, {list(gate.shape)})")
     return out

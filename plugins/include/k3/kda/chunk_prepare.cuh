@@ -102,16 +102,13 @@ __device__ __forceinline__ uint32_t column_pair(const __nv_bfloat16* x, const fl
 // x·σ(x) for the conv outputs. σ(x) = ½ + ½·tanh(x/2): one MUFU operation instead of two
 // (ex2 and rcp), and the conv stage issues four per row and channel pair. tanh.approx has a
 // relative error of ~2^-11, a quarter of the bf16 rounding step of the result (the decode
-// kernel keeps the accurate sigmoid). K3_KDA_PREP_SIGMOID_SILU: the ex2/rcp form (measurement).
+// kernel keeps the accurate sigmoid). The ex2/rcp form took 1-2% longer over the whole
+// prefill (session 13: 4.584 vs 4.552 ms at T16384 x 96 heads, bench/NOTES_kda.md).
 __device__ __forceinline__ float fast_silu(float x) {
-#ifdef K3_KDA_PREP_SIGMOID_SILU
-  return x * fast_sigmoid(x);
-#else
   const float h = 0.5f * x;
   float th;
   asm("tanh.approx.f32 %0, %1;" : "=f"(th) : "f"(h));
   return fmaf(h, th, h);
-#endif
 }
 
 // Row-side factor pair 2^{Γ[c..c+1] − Γm[c..c+1]} (Γ row g, Γ of the block middle gm).
@@ -256,15 +253,6 @@ __global__ void __launch_bounds__(kPrepThreads, 2)
   const bool continues = p.has_initial_state[b] != 0;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   __nv_bfloat16* out = work + ((int64_t)chunk * H + h) * Work::ELEMS;
-#ifdef K3_KDA_PREP_STOP  // measurement: return after stage K3_KDA_PREP_STOP (0, A, C, D, E)
-#define K3_PREP_STOP_AT(k)                                                     \
-  if (K3_KDA_PREP_STOP == (k)) {                                               \
-    out[tid] = reinterpret_cast<const __nv_bfloat16*>(smem)[tid * 37 % 4096];  \
-    return;                                                                    \
-  }
-#else
-#define K3_PREP_STOP_AT(k)
-#endif
   const float a_h = expf(p.A_log[h]);
   static_assert(2 * D <= kPrepThreads, "one channel pair (q|k|v or gate) per thread");
   const PairTaps<W> taps = load_pair_taps<D, W>(p, tid, h);
@@ -282,7 +270,6 @@ __global__ void __launch_bounds__(kPrepThreads, 2)
     sBeta[tid] = tid < n ? sigmoid(__bfloat162float(p.beta[(int64_t)(t0 + tid) * H + h])) : 0.f;
   cp_async_wait_all();
   __syncthreads();
-  K3_PREP_STOP_AT(0)
 
   // ---- A. conv + SiLU of q, k, v (in place), Γ; then the row norms of q, k ----
   if (tid < 3 * D / 2) conv_pair<D, W>(sQKV, sBeta, taps, tid, n);
@@ -310,7 +297,6 @@ __global__ void __launch_bounds__(kPrepThreads, 2)
     }
   }
   __syncthreads();
-  K3_PREP_STOP_AT(1)
 
   // ---- C. A_qk (j <= r) to the workspace, A_kk = β_r·(...) (j < r) to sL ----
   // Warp units (row block a, column blocks cb0..cb0+ncb-1) of both products: q̂ and k̂ rows of
@@ -379,7 +365,6 @@ __global__ void __launch_bounds__(kPrepThreads, 2)
     }
   }
   __syncthreads();
-  K3_PREP_STOP_AT(2)
 
   // ---- D1. diagonal blocks of Linv, in place over L (warps 0-3; a lane owns a column) ----
   if (warp < 4) {
@@ -432,36 +417,12 @@ __global__ void __launch_bounds__(kPrepThreads, 2)
   }
   if (tid < D) reinterpret_cast<float*>(out + Work::DECAY)[tid] = fast_exp2(sG[(kChunk - 1) * LG + tid]);
   __syncthreads();
-  K3_PREP_STOP_AT(3)
 
   // ---- E. off-diagonal blocks: Linv_ab = −Linv_aa · Σ_{c=b}^{a−1} L_ac · Linv_cb, in place
   // (round a reads L only in its block row a, before the second half overwrites it). A thread
   // computes 4 adjacent columns (a float4 of the right operand per k, one scalar of the left):
   // 2 shared loads per 4 FMAs instead of 8, and 4 independent sums; the k order of every sum
-  // is unchanged. K3_KDA_PREP_E_SCALAR: one output per thread (session 13; measurement). ----
-#ifdef K3_KDA_PREP_E_SCALAR
-  for (int a = 1; a < 4; ++a) {
-    for (int idx = tid; idx < a * 256; idx += kPrepThreads) {
-      const int bb = idx / 256, i = (idx / 16) % 16, j = idx % 16;
-      float acc = 0.f;
-      for (int k0 = 16 * bb; k0 < 16 * a; k0 += 16)
-#pragma unroll
-        for (int k = k0; k < k0 + 16; ++k)
-          acc += sL[(16 * a + i) * LA + k] * sL[k * LA + 16 * bb + j];
-      sT[idx] = acc;
-    }
-    __syncthreads();
-    for (int idx = tid; idx < a * 256; idx += kPrepThreads) {
-      const int bb = idx / 256, i = (idx / 16) % 16, j = idx % 16;
-      float acc = 0.f;
-#pragma unroll
-      for (int k = 0; k < 16; ++k)
-        acc += sL[(16 * a + i) * LA + 16 * a + k] * sT[bb * 256 + k * 16 + j];
-      sL[(16 * a + i) * LA + 16 * bb + j] = -acc;
-    }
-    __syncthreads();
-  }
-#else
+  // is unchanged (session 13 measured it against one output per thread, bench/NOTES_kda.md). ----
   static_assert(LA % 4 == 0, "float4 rows of L");
   for (int a = 1; a < 4; ++a) {
     // unit = (column block bb, row i, 4 columns j..j+3); a·64 units, at most 192 threads
@@ -493,7 +454,6 @@ __global__ void __launch_bounds__(kPrepThreads, 2)
     }
     __syncthreads();
   }
-#endif
   // the bf16 copy for step F (blocks above the diagonal are never read)
   for (int idx = tid; idx < kChunk * kChunk / 2; idx += kPrepThreads) {
     const int r = idx / (kChunk / 2), j = 2 * (idx % (kChunk / 2));
@@ -501,7 +461,6 @@ __global__ void __launch_bounds__(kPrepThreads, 2)
       *reinterpret_cast<__nv_bfloat162*>(sLinvB + r * LAB + j) = pack_bf16(sL[r * LA + j], sL[r * LA + j + 1]);
   }
   __syncthreads();
-  K3_PREP_STOP_AT(4)
 
   // ---- F. W = Linv·Kb, U = Linv·βV: units of 16 rows x 16 columns ----
   constexpr int NB = D / 16;
@@ -526,8 +485,6 @@ __global__ void __launch_bounds__(kPrepThreads, 2)
       }
   }
 }
-
-#undef K3_PREP_STOP_AT
 
 }  // namespace kda
 }  // namespace k3

@@ -276,29 +276,16 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
       ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
 
-// The state copies and stores carry no cache hints: with the ping-pong consumers, L2
-// evict-first loads + st.global.cs stores ran 5-6% slower at B = 256 (session 13; session
-// 11's single 8-warp consumer had run at half speed without them).
-// The copies of the state and conv-state rows are L2 evict-last, so that the in-place stores
-// of the same lines, ~2 items later, find them in L2 (session 16: +2.5 points of copy at
-// B=256; K3_KDA_DEC_NO_EVICT_LAST, measurement, turns it off). Measurement switches:
-// K3_KDA_DEC_STORE_EVICT_FIRST marks the state stores evict-first (written lines leave L2
-// first), K3_KDA_DEC_STAGES sets the ring depth, K3_KDA_DEC_EVICT_LAST_FRACTION the share of
-// the copied lines marked evict-last (a PTX float literal, default 1.0).
-#ifndef K3_KDA_DEC_EVICT_LAST_FRACTION
-#define K3_KDA_DEC_EVICT_LAST_FRACTION 1.0
-#endif
-#define K3_KDA_STR2(x) #x
-#define K3_KDA_STR(x) K3_KDA_STR2(x)
+// The state stores carry no cache hint: with the ping-pong consumers, L2 evict-first loads +
+// st.global.cs stores ran 5-6% slower at B = 256 (session 13; session 11's single 8-warp
+// consumer had run at half speed without them), and evict-first stores alone gave 85.1% of
+// copy against 86.0% (session 17).
+// The copies of the state and conv-state rows are L2 evict-last, all of the lines, so that the
+// in-place stores of the same lines, ~2 items later, find them in L2 (session 16: +2.5 points
+// of copy at B=256; session 17: half of the lines evict-last 84.0%). bench/NOTES_kda.md.
 __device__ __forceinline__ uint64_t l2_policy_evict_last() {
   uint64_t pol;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, " K3_KDA_STR(K3_KDA_DEC_EVICT_LAST_FRACTION) ";"
-               : "=l"(pol));
-  return pol;
-}
-__device__ __forceinline__ uint64_t l2_policy_evict_first() {
-  uint64_t pol;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
   return pol;
 }
 __device__ __forceinline__ void bulk_load_hint(void* dst, const void* src, uint32_t bytes,
@@ -306,15 +293,6 @@ __device__ __forceinline__ void bulk_load_hint(void* dst, const void* src, uint3
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
       ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(pol) : "memory");
-}
-__device__ __forceinline__ void store_state4(float* dst, float4 v, uint64_t pol) {
-#ifdef K3_KDA_DEC_STORE_EVICT_FIRST
-  asm volatile("st.global.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;"
-               ::"l"(dst), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "l"(pol) : "memory");
-#else
-  (void)pol;
-  *reinterpret_cast<float4*>(dst) = v;
-#endif
 }
 
 // Consumers of decode_kernel: kDecodeGroups groups of 4 warps; group g takes the CTA's
@@ -366,12 +344,9 @@ struct DecodeStage {
   static constexpr int BYTES = CONV + 3 * D * (W - 1) * 2;  // every part a multiple of 16
   static constexpr int kBudget =
       227 * 1024 - 2 * kDecodeGroups * (int)sizeof(TokenScratch<D>) - 256;
-  // two stages (session 16: 85.5% of copy at B=256 with the evict-last copies, 83.7% with three)
-#ifdef K3_KDA_DEC_STAGES
-  static constexpr int kStages = K3_KDA_DEC_STAGES;
-#else
+  // two stages (session 16: 85.5% of copy at B=256 with the evict-last copies, 83.7% with
+  // three; session 17: one stage 87.4% in a single round without a reference check, not taken)
   static constexpr int kStages = 2;
-#endif
   static constexpr int SMEM = kStages * BYTES;
   static_assert(kStages >= 1 && SMEM <= kBudget, "the stages fit in shared memory");
   // "stage full" barriers: one per (stage, consumer group) pair, item k on k % FULL_BARS, so
@@ -587,14 +562,9 @@ __device__ __forceinline__ void decode_consumer(const Params& p, const unsigned 
       }
 
       float* state = p.recurrent_state + ((int64_t)m.slot * H + h) * D * D + r0 * D + v0;
-#ifdef K3_KDA_DEC_STORE_EVICT_FIRST
-      const uint64_t pol = l2_policy_evict_first();
-#else
-      const uint64_t pol = 0;
-#endif
 #pragma unroll
       for (int i = 0; i < RK; ++i)
-        store_state4(state + i * D, make_float4(S[i][0], S[i][1], S[i][2], S[i][3]), pol);
+        *reinterpret_cast<float4*>(state + i * D) = make_float4(S[i][0], S[i][1], S[i][2], S[i][3]);
       decode_store_conv<D, W>(p, hist, t, h, m.slot);
     }
   }
@@ -636,9 +606,7 @@ __global__ void __launch_bounds__(kDecodeBlock, 1) decode_kernel(Params p) {
       return *src;
     };
     const CtaItems items(total);
-#ifndef K3_KDA_DEC_NO_EVICT_LAST
     const uint64_t load_pol = l2_policy_evict_last();
-#endif
     int mine = fetch(items.begin);
     for (int k = 0; k < items.count; ++k) {
       const int item = items.begin + k, h = item / p.num_seqs;
@@ -659,27 +627,16 @@ __global__ void __launch_bounds__(kDecodeBlock, 1) decode_kernel(Params p) {
         if (continues) {
           const float* src = p.recurrent_state + ((int64_t)slot * H + h) * D * D;
           for (int off = 0; off < D * D; off += kStateChunk)  // 16 KiB per copy
-#ifndef K3_KDA_DEC_NO_EVICT_LAST
             bulk_load_hint(st + Stage::STATE + off * 4, src + off,
                            (D * D < kStateChunk ? D * D : kStateChunk) * 4, bar, load_pol);
-#else
-            bulk_load(st + Stage::STATE + off * 4, src + off,
-                      (D * D < kStateChunk ? D * D : kStateChunk) * 4, bar);
-#endif
         }
         const __nv_bfloat16* row = p.qkv + (int64_t)bos * P3 + h * D;
         for (int part = 0; part < 3; ++part) {
           bulk_load(st + Stage::QKV + part * D * 2, row + part * P, D * 2, bar);
           if (continues)
-#ifndef K3_KDA_DEC_NO_EVICT_LAST
             bulk_load_hint(st + Stage::CONV + part * D * (W - 1) * 2,
                            p.conv_state + ((int64_t)slot * P3 + part * P + h * D) * (W - 1),
                            D * (W - 1) * 2, bar, load_pol);
-#else
-            bulk_load(st + Stage::CONV + part * D * (W - 1) * 2,
-                      p.conv_state + ((int64_t)slot * P3 + part * P + h * D) * (W - 1),
-                      D * (W - 1) * 2, bar);
-#endif
         }
         bulk_load(st + Stage::GATE, p.gate + (int64_t)bos * P + h * D, D * 2, bar);
       }

@@ -19,12 +19,13 @@
 // finalize_passes_kernel converts at the end.
 //
 // The K3 dims (128, 64, 128) run flash_prefill_wgmma_kernel (flash_attention_wgmma.cuh,
-// warpgroup MMAs) instead; this kernel serves the other dims and same-call comparisons.
+// warpgroup MMAs) instead; this kernel serves the other dims (the tiny model's 32, 16, 32).
 #pragma once
 
 #include <cmath>
 
 #include "k3/mla/ptx.cuh"
+#include "k3/mla/step_offsets.cuh"
 
 namespace k3::mla {
 
@@ -87,12 +88,7 @@ __global__ void __launch_bounds__(256, 1) flash_prefill_kernel(const FlashParams
     const int tile = p.tile_bound - 1 - static_cast<int>(item / p.num_heads);
     const int head = static_cast<int>(item % p.num_heads);
     if (tile >= total_tiles) continue;
-    int lo = 0, hi = p.num_seqs - 1;  // last sequence whose first tile is <= tile
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (__ldg(p.tile_offsets + mid) <= tile) lo = mid; else hi = mid - 1;
-    }
-    const int seq = lo;
+    const int seq = sequence_of(p.tile_offsets, p.num_seqs, tile);
     const int q_begin = __ldg(p.cu_seqlens + seq);
     const int r0 = (tile - __ldg(p.tile_offsets + seq)) * BM;
     const int rows = min(BM, __ldg(p.cu_seqlens + seq + 1) - q_begin - r0);

@@ -90,17 +90,13 @@ __device__ __forceinline__ bool flash_item(const FlashParams& p, int64_t item, i
   const int tile = p.tile_bound - 1 - static_cast<int>(item / p.num_heads);
   w.head = static_cast<int>(item % p.num_heads);
   if (tile >= total_tiles) return false;
-  int lo = 0, hi = p.num_seqs - 1;  // last sequence whose first tile is <= tile
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (__ldg(p.tile_offsets + mid) <= tile) lo = mid; else hi = mid - 1;
-  }
-  const int q_begin = __ldg(p.cu_seqlens + lo);
-  const int r0 = (tile - __ldg(p.tile_offsets + lo)) * bm;
+  const int seq = sequence_of(p.tile_offsets, p.num_seqs, tile);
+  const int q_begin = __ldg(p.cu_seqlens + seq);
+  const int r0 = (tile - __ldg(p.tile_offsets + seq)) * bm;
   w.q_row0 = q_begin + r0;
-  w.rows = min(bm, __ldg(p.cu_seqlens + lo + 1) - w.q_row0);
-  w.first_pos = __ldg(p.context_lens + lo) + r0;
-  const int key_base = __ldg(p.key_offsets + lo);
+  w.rows = min(bm, __ldg(p.cu_seqlens + seq + 1) - w.q_row0);
+  w.first_pos = __ldg(p.context_lens + seq) + r0;
+  const int key_base = __ldg(p.key_offsets + seq);
   w.key_row0 = key_base - p.pass_begin;
   w.kbeg = max(0, -w.key_row0);
   w.kend = min(w.first_pos + w.rows, p.pass_keys - w.key_row0);

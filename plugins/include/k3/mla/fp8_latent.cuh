@@ -10,6 +10,7 @@
 #include <cuda_fp8.h>
 
 #include "k3/mla/ptx.cuh"
+#include "k3/mla/step_offsets.cuh"
 
 namespace k3::mla {
 
@@ -82,13 +83,6 @@ __device__ __forceinline__ void e4m3x4_to_f16x4(uint32_t codes, uint32_t& lo, ui
       : "r"(codes));
 }
 
-// Two E4M3 codes in the high bytes of the halves of `x` (low bytes ignored) -> f16x2 of the
-// codes times 2^-8, exactly (subnormal codes to subnormal f16): sign, then the 7 code bits
-// as the f16 exponent and mantissa's top bits.
-__device__ __forceinline__ uint32_t e4m3_hi_to_f16x2_scaled(uint32_t x) {
-  return (x & 0x80008000u) | ((x >> 1) & 0x3f803f80u);
-}
-
 __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
@@ -127,15 +121,9 @@ __global__ void __launch_bounds__(256) dequantize_pass_kernel(const DequantPassP
   const int lane = threadIdx.x & 31, groups = p.rank / p.scale_group, width = p.rank + p.rope;
   const int row_bytes = fp8_row_bytes(p.rank, p.rope, p.scale_group), shift = __ffs(p.scale_group) - 1;
   for (int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < valid; r += (gridDim.x * blockDim.x) >> 5) {
-    const int key = p.pass_begin + r;
-    int lo = 0, hi = p.num_seqs - 1;  // last sequence whose first key is <= key
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (__ldg(p.key_offsets + mid) <= key) lo = mid; else hi = mid - 1;
-    }
-    const int pos = key - __ldg(p.key_offsets + lo);
-    const int block = __ldg(p.block_tables + static_cast<int64_t>(lo) * p.max_blocks + pos / p.block_size);
-    const uint8_t* row = p.cache + (static_cast<int64_t>(block) * p.block_size + pos % p.block_size) * row_bytes;
+    const int64_t slot =
+        key_slot(p.key_offsets, p.block_tables, p.num_seqs, p.max_blocks, p.block_size, p.pass_begin + r);
+    const uint8_t* row = p.cache + slot * row_bytes;
     uint4* dst = reinterpret_cast<uint4*>(p.flat + static_cast<int64_t>(r) * width);
     for (int ch = lane; ch < width / 8; ch += 32) dst[ch] = fp8_row_chunk(row, ch, p.rank, shift, groups);
   }

@@ -458,13 +458,9 @@ __device__ void latent_attention_direct_fp8(const LatentAttentionParams& p, unsi
   }
   named_barrier(1, C::CONSUMERS);
   const float qs0 = s_m[g], qs1 = s_m[g + 8];
-#ifdef K3_MLA_FP8_INT_S
-  constexpr int kCodeExp = 8;  // the scores' codes are f16 of code * 2^-8
-#else
-  constexpr int kCodeExp = 0;
-#endif
-  const float qinv0 = __int_as_float(((254 + kCodeExp) << 23) - __float_as_int(qs0));  // 2^(kCodeExp - k)
-  const float qinv1 = __int_as_float(((254 + kCodeExp) << 23) - __float_as_int(qs1));
+  constexpr int kInvBits = 254 << 23;  // the float bits of 2^-k: these minus those of 2^k
+  const float qinv0 = __int_as_float(kInvBits - __float_as_int(qs0));
+  const float qinv1 = __int_as_float(kInvBits - __float_as_int(qs1));
   uint32_t qf[8][4];  // f16 latent fragments, permuted k order (above)
   uint32_t qp[4];     // bf16 rope fragment of rope k-step ks
 #pragma unroll
@@ -508,12 +504,7 @@ __device__ void latent_attention_direct_fp8(const LatentAttentionParams& p, unsi
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk) {
           uint32_t b0, b1;
-#ifdef K3_MLA_FP8_INT_S  // integer conversion, codes times 2^-8 (the 2^8 is in qinv)
-          b0 = e4m3_hi_to_f16x2_scaled(__byte_perm(w[kk], 0, 0x1000));
-          b1 = e4m3_hi_to_f16x2_scaled(__byte_perm(w[kk], 0, 0x3020));
-#else
           e4m3x4_to_f16x4(w[kk], b0, b1);
-#endif
           mma_f16(sl[j], qf[kk], b0, b1);
         }
         const uint2 pe = *reinterpret_cast<const uint2*>(row + rope_off + 32 * ks + 8 * cq);
@@ -630,23 +621,13 @@ __device__ void latent_attention_direct_fp8(const LatentAttentionParams& p, unsi
         for (int hw = 0; hw < 2; ++hw) {
           const uint32_t x0 = hw ? t0.y : t0.x, x1 = hw ? t1.y : t1.x;
           const uint32_t x2 = hw ? t2.y : t2.x, x3 = hw ? t3.y : t3.x;
-#ifdef K3_MLA_FP8_INT_V
-          // integer conversion (off the cvt pipe the scores use): tok0/tok1 byte c into the high
-          // bytes of the halves, then f16 bits s | (code & 0x7f) << 7 = the code times 2^-8 (the
-          // 2^8 is in `unit` at the end)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const uint32_t sel = (c << 4) | ((c + 4) << 12);  // bytes c, c+4 to 1, 3
-            b[4 * hw + c][0] = e4m3_hi_to_f16x2_scaled(__byte_perm(x0, x1, sel));
-            b[4 * hw + c][1] = e4m3_hi_to_f16x2_scaled(__byte_perm(x2, x3, sel));
-          }
-#else
-          // [tok0 byte c, tok1 byte c, tok0 byte c+1, tok1 byte c+1]: two k pairs per word
+          // [tok0 byte c, tok1 byte c, tok0 byte c+1, tok1 byte c+1]: two k pairs per word (the
+          // hardware cvt: converting the codes by integer ops, here or here and in the scores,
+          // ran 18-21% or 38-42% slower at 12 heads, B 64; session 16, bench/NOTES_mla.md)
           e4m3x4_to_f16x4(__byte_perm(x0, x1, 0x5140), b[4 * hw + 0][0], b[4 * hw + 1][0]);
           e4m3x4_to_f16x4(__byte_perm(x0, x1, 0x7362), b[4 * hw + 2][0], b[4 * hw + 3][0]);
           e4m3x4_to_f16x4(__byte_perm(x2, x3, 0x5140), b[4 * hw + 0][1], b[4 * hw + 1][1]);
           e4m3x4_to_f16x4(__byte_perm(x2, x3, 0x7362), b[4 * hw + 2][1], b[4 * hw + 3][1]);
-#endif
         }
 #pragma unroll
         for (int nb = 0; nb < C::NB; ++nb) mma_f16(acc[nb], pa, b[nb][0], b[nb][1]);
@@ -672,11 +653,7 @@ __device__ void latent_attention_direct_fp8(const LatentAttentionParams& p, unsi
     p.lse_part[split * rows + static_cast<int64_t>(token) * p.num_heads + head0 + sm_row] =
         l > 0.f ? s_m[sm_row] + log2f(l) : -INFINITY;
   }
-#ifdef K3_MLA_FP8_INT_V
-  const float unit = __int_as_float((e_acc + 8) << 23);  // 2^(e_acc - 127) times the codes' 2^8
-#else
   const float unit = __int_as_float(e_acc << 23);  // 2^(e_acc - 127)
-#endif
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = g + half * 8, head = head0 + row;

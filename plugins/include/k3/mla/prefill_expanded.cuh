@@ -14,6 +14,7 @@
 #include <cmath>
 
 #include "k3/mla/ptx.cuh"
+#include "k3/mla/step_offsets.cuh"
 
 namespace k3::mla {
 
@@ -121,15 +122,8 @@ __global__ void __launch_bounds__(kExpandThreads, 2) expand_latents_kernel(const
       if (m0 + r < valid && p.flat != nullptr) {
         a_row[i] = p.flat + static_cast<int64_t>(m0 + r) * width;
       } else if (m0 + r < valid) {
-        const int key = p.pass_begin + m0 + r;
-        int lo = 0, hi = p.num_seqs - 1;  // last sequence whose first key is <= key
-        while (lo < hi) {
-          const int mid = (lo + hi + 1) >> 1;
-          if (__ldg(p.key_offsets + mid) <= key) lo = mid; else hi = mid - 1;
-        }
-        const int pos = key - __ldg(p.key_offsets + lo);
-        const int block = __ldg(p.block_tables + static_cast<int64_t>(lo) * p.max_blocks + pos / p.block_size);
-        a_row[i] = p.cache + (static_cast<int64_t>(block) * p.block_size + pos % p.block_size) * width;
+        a_row[i] = p.cache + key_slot(p.key_offsets, p.block_tables, p.num_seqs, p.max_blocks, p.block_size,
+                                      p.pass_begin + m0 + r) * width;
       }
       b_row[i] = n0 + r < n_cols ? w + static_cast<int64_t>(n0 + r) * p.rank : nullptr;
     }

@@ -16,7 +16,10 @@
 // slab before its MMAs whatever the source order (SASS), so ~1 KiB per warp is in flight; an
 // L2 prefetch of the stages ahead (bytes in flight without registers) measured no faster, so
 // that is not what bounds these kernels either. More CTAs per SM measured slower (likely: their
-// tables shrink the L1 that holds the activations and scale bytes).
+// tables shrink the L1 that holds the activations and scale bytes). Session 18: with the L1/TEX
+// pipe at 82-94% (ncu, T >= 8) the table lookups were a third of its wavefronts, yet register
+// dequantisation (no table, one vector load per stage for a row's scale bytes) measured 5-24%
+// slower at every T but EP8 T = 32 (bench/NOTES_moe.md, session 18).
 #pragma once
 
 #include "grouped_gemm.cuh"
@@ -113,8 +116,9 @@ __device__ __forceinline__ void decode_mma_group(float (&acc)[kMats][kTiles][4],
 }
 
 // The MMAs of one MXFP4 slab: each packed word (8 codes) of each row dequantised through the
-// CTA's table (mxfp4.cuh: measured 10-20% faster here than the bit-move form, which the prefill
-// GEMMs keep since their MMAs, not dequantisation, bound them), then its two MMAs.
+// CTA's table (mxfp4.cuh: measured 10-20% faster here than the bit-move form in session 15, and
+// 5-24% faster than GEMVs with two bit-move forms in session 18; the prefill GEMMs keep the bit
+// moves since their MMAs, not dequantisation, bound them), then its two MMAs.
 template <int kMats, int kTiles, class S>
 __device__ __forceinline__ void decode_slab_mxfp4(float (&acc)[kMats][kTiles][4],
                                                   const uint32_t (&raw)[kMats][2][S::kRawWords],
@@ -424,9 +428,6 @@ struct DecodeSplit {
 template <int U, int N>
 __device__ __forceinline__ DecodeSplit decode_split(const Schedule& s, int cols, int target, int nslab) {
   DecodeSplit d{*s.num_tiles * cols, 1, nslab};
-#ifdef K3_MOE_DECODE_NO_SPLIT  // A/B builds: the loop without the split
-  return d;
-#endif
   if (d.pairs == 0 || d.pairs > kSplitCounters || nslab % U != 0 || s.split_part == nullptr) return d;
   const int units = nslab / U, cap = units < kSplitMax ? units : kSplitMax;
   constexpr int64_t kMaxItems = (int64_t)kSplitItemsMax * kSplitAccMax / N;  // partial slots of N floats
@@ -510,19 +511,44 @@ __device__ __forceinline__ bool decode_split_reduce(float (&acc)[N], const Sched
   if (!__syncthreads_or(threadIdx.x == 0 && old == w.splits - 1)) return false;
   if (threadIdx.x == 0) s.split_count[w.pair] = 0;  // every split has arrived: ready for the next GEMV
   __threadfence();
+  // 0 + partial 0 is partial 0 (but for the sign of a zero), then the others in split order.
+#pragma unroll
+  for (int i = 0; i < N; ++i) acc[i] = 0.0f;
   for (int sp = 0; sp < w.splits; ++sp) {
     const float4* p = reinterpret_cast<const float4*>(base + ((int64_t)sp * kDecodeThreads + threadIdx.x) * N);
 #pragma unroll
     for (int i = 0; i < N / 4; ++i) {
       const float4 v = __ldcg(p + i);  // L2: written by other SMs
-      if (sp == 0) {
-        acc[4 * i] = v.x, acc[4 * i + 1] = v.y, acc[4 * i + 2] = v.z, acc[4 * i + 3] = v.w;
-      } else {
-        acc[4 * i] += v.x, acc[4 * i + 1] += v.y, acc[4 * i + 2] += v.z, acc[4 * i + 3] += v.w;
-      }
+      acc[4 * i] += v.x, acc[4 * i + 1] += v.y, acc[4 * i + 2] += v.z, acc[4 * i + 3] += v.w;
     }
   }
   return true;
+}
+
+// The work loop of both GEMVs: each item's operands (kMats matrices of M output features, K
+// inputs; activation rows row_of(sorted row)), its K chunk, the split-K reduction, then
+// epilogue(tile, first feature of the warp, acc) where the pair is complete (its last split
+// CTA; every CTA unsplit). which: the GEMV's work counter (decode_next_item).
+template <int kMats, int kTiles, class S, typename RowOf, typename Epilogue>
+__device__ __forceinline__ void decode_gemv(const ExpertWeights& ew, const Schedule& s, int M, int K, int which,
+                                            int target, RowOf row_of, Epilogue epilogue) {
+  constexpr int N = kMats * kTiles * 4;
+  __shared__ DecodeShared<S::kMx> sm;
+  decode_prologue(sm);  // the schedule and the activations come from the kernels before
+  const int cols = M / kDecodeFeatures, nslab = K / S::kWidth;
+  const DecodeSplit d = decode_split<decode_unroll<kMats, S>(), N>(s, cols, target, nslab);
+  DecodeWork w;
+  __shared__ int next;
+  for (int id = blockIdx.x; decode_work(s, d, 8 * kTiles, cols, nslab, id, w);
+       id = decode_next_item(s, which, id, &next)) {
+    const int f0 = w.col * kDecodeFeatures + threadIdx.x / 32 * 16;
+    auto op = decode_operands<kMats, kTiles, S>(ew, (int64_t)kMats * w.t.expert * M + f0, M, K);
+    attach_table_and_rows<S>(op, sm, w.t, row_of);
+    decode_advance<S>(op, w.slab0);
+    float acc[kMats][kTiles][4] = {};
+    decode_mainloop<kMats, kTiles, S>(acc, op, w.nslab);
+    if (decode_split_reduce(reinterpret_cast<float(&)[N]>(acc), s, w)) epilogue(w.t, f0, acc);
+  }
 }
 
 // grid: target CTAs (one wave, decode_split_target): h[row] = glu(z[token(row)] · w1ᵀ, · w3ᵀ).
@@ -532,33 +558,18 @@ __global__ void __launch_bounds__(kDecodeThreads, decode_min_blocks(kTiles)) gat
                                                                         ExpertWeights w13,
                                                                         __nv_bfloat16* __restrict__ h, Schedule s,
                                                                         int L, int I, GluParams act, int target) {
-  using S = DecodeSlab<kMxfp4, kElems>;
-  constexpr int N = 2 * kTiles * 4;
-  __shared__ DecodeShared<kMxfp4> sm;
-  decode_prologue(sm);  // the schedule and z come from the kernels before
-  const int cols = I / kDecodeFeatures, nslab = L / S::kWidth;
-  const DecodeSplit d = decode_split<decode_unroll<2, S>(), N>(s, cols, target, nslab);
-  DecodeWork w;
-  __shared__ int next;
-  for (int id = blockIdx.x; decode_work(s, d, 8 * kTiles, cols, nslab, id, w);
-       id = decode_next_item(s, 0, id, &next)) {
-    const TileInfo& t = w.t;
-    const int f0 = w.col * kDecodeFeatures + threadIdx.x / 32 * 16;
-    auto op = decode_operands<2, kTiles, S>(w13, 2 * (int64_t)t.expert * I + f0, I, L);
-    attach_table_and_rows<S>(op, sm, t, [&](int row) { return z + (int64_t)s.sorted_token[row] * L; });
-    decode_advance<S>(op, w.slab0);
-    float acc[2][kTiles][4] = {};
-    decode_mainloop<2, kTiles, S>(acc, op, w.nslab);
-    if (!decode_split_reduce(reinterpret_cast<float(&)[N]>(acc), s, w)) continue;
+  decode_gemv<2, kTiles, DecodeSlab<kMxfp4, kElems>>(
+      w13, s, I, L, 0, target, [&](int row) { return z + (int64_t)s.sorted_token[row] * L; },
+      [&](const TileInfo& t, int f0, const float (&acc)[2][kTiles][4]) {
 #pragma unroll
-    for (int i = 0; i < kTiles; ++i)
+        for (int i = 0; i < kTiles; ++i)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const FragmentPos p = fragment_pos(i, c);
-        if (p.row < t.rows)
-          h[(int64_t)(t.row0 + p.row) * I + f0 + p.feature] = __float2bfloat16_rn(glu(acc[0][i][c], acc[1][i][c], act));
-      }
-  }
+          for (int c = 0; c < 4; ++c) {
+            const FragmentPos p = fragment_pos(i, c);
+            if (p.row < t.rows)
+              h[(int64_t)(t.row0 + p.row) * I + f0 + p.feature] = __float2bfloat16_rn(glu(acc[0][i][c], acc[1][i][c], act));
+          }
+      });
 }
 
 // grid: target CTAs (one wave): part[row] = weight(row) · h[row] · w2ᵀ in fp32, one partial row
@@ -568,35 +579,20 @@ template <bool kMxfp4, int kTiles, int kElems>
 __global__ void __launch_bounds__(kDecodeThreads, decode_min_blocks(kTiles)) down_decode_kernel(const __nv_bfloat16* __restrict__ h,
                                                                      ExpertWeights w2, float* __restrict__ part,
                                                                      Schedule s, int L, int I, int target) {
-  using S = DecodeSlab<kMxfp4, kElems>;
-  constexpr int N = kTiles * 4;
-  __shared__ DecodeShared<kMxfp4> sm;
-  decode_prologue(sm);  // the schedule and h come from the kernels before
-  const int cols = L / kDecodeFeatures, nslab = I / S::kWidth;
-  const DecodeSplit d = decode_split<decode_unroll<1, S>(), N>(s, cols, target, nslab);
-  DecodeWork w;
-  __shared__ int next;
-  for (int id = blockIdx.x; decode_work(s, d, 8 * kTiles, cols, nslab, id, w);
-       id = decode_next_item(s, 1, id, &next)) {
-    const TileInfo& t = w.t;
-    const int f0 = w.col * kDecodeFeatures + threadIdx.x / 32 * 16;
-    auto op = decode_operands<1, kTiles, S>(w2, (int64_t)t.expert * L + f0, 0, I);
-    attach_table_and_rows<S>(op, sm, t, [&](int row) { return h + (int64_t)row * I; });
-    decode_advance<S>(op, w.slab0);
-    float acc[1][kTiles][4] = {};
-    decode_mainloop<1, kTiles, S>(acc, op, w.nslab);
-    if (!decode_split_reduce(reinterpret_cast<float(&)[N]>(acc), s, w)) continue;
+  decode_gemv<1, kTiles, DecodeSlab<kMxfp4, kElems>>(
+      w2, s, L, I, 1, target, [&](int row) { return h + (int64_t)row * I; },
+      [&](const TileInfo& t, int f0, const float (&acc)[1][kTiles][4]) {
 #pragma unroll
-    for (int i = 0; i < kTiles; ++i)
+        for (int i = 0; i < kTiles; ++i)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const FragmentPos p = fragment_pos(i, c);
-        if (p.row < t.rows) {
-          const int row = t.row0 + p.row;
-          part[(int64_t)row * L + f0 + p.feature] = s.sorted_weight[row] * acc[0][i][c];
-        }
-      }
-  }
+          for (int c = 0; c < 4; ++c) {
+            const FragmentPos p = fragment_pos(i, c);
+            if (p.row < t.rows) {
+              const int row = t.row0 + p.row;
+              part[(int64_t)row * L + f0 + p.feature] = s.sorted_weight[row] * acc[0][i][c];
+            }
+          }
+      });
 }
 
 }  // namespace moe

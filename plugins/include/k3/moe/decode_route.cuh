@@ -112,14 +112,57 @@ __device__ __forceinline__ void group_select_merge(const float* __restrict__ row
   weight_out = (p.renormalize ? chosen_weight / weight_sum : chosen_weight) * p.routed_scaling_factor;
 }
 
+// More tokens than that (T > kGroupSelectMaxTokens, sigmoid scores): the single CTA would give
+// each token one warp, whose k serial rounds over E / 32 keys per lane (28 at E = 896, past the
+// register budget of a 1024-thread CTA) took 46 us at T = 32 on the H200 (ncu, session 18). So a
+// kernel of T CTAs selects first, kSelectGroupWarps warps per token with the group select above
+// (the same ids and weight bits), into the workspace's ids / weights [T, k], and
+// route_schedule_kernel reads them instead of selecting.
+constexpr int kSelectGroupWarps = 8;
+
+__host__ __device__ inline bool select_kernel_applies(int T, int scoring) {
+  return T > kGroupSelectMaxTokens && scoring == 0;
+}
+
+// grid T, kSelectGroupWarps * 32 threads: token blockIdx.x's top k of its logits row.
+__global__ void __launch_bounds__(kSelectGroupWarps * 32) route_select_group_kernel(const float* __restrict__ logits,
+                                                                                 const float* __restrict__ bias,
+                                                                                 RouteParams p, int* __restrict__ ids,
+                                                                                 float* __restrict__ weights) {
+  __shared__ uint32_t cand_keys[kSelectGroupWarps * kWarpSelectMaxK];
+  __shared__ int cand_ids[kSelectGroupWarps * kWarpSelectMaxK];
+  const int t = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32, k = p.top_k;
+  pdl_launch_dependents();
+  pdl_wait();  // the logits
+  const float* row = logits + (size_t)t * p.num_experts;
+  const int P = (p.num_experts + 32 * kSelectGroupWarps - 1) / (32 * kSelectGroupWarps);
+  with_slice_width(P, [&](auto width) {
+    constexpr int W = decltype(width)::value;
+    group_select_slice<W>(row, bias, p.num_experts, k, warp * 32 * W, cand_keys + warp * k, cand_ids + warp * k);
+  });
+  __syncthreads();
+  if (warp == 0) {
+    int id;
+    float weight;
+    group_select_merge(row, p, cand_keys, cand_ids, kSelectGroupWarps, id, weight);
+    if (lane < k) {
+      ids[(size_t)t * k + lane] = id;
+      weights[(size_t)t * k + lane] = weight;
+    }
+  }
+}
+
 // One CTA of kScanThreads threads; T <= kDecodeRouteMaxTokens, num_local_experts <= kScanThreads,
-// E <= 32 * kPerLane, top_k <= kWarpSelectMaxK. Row order inside an expert follows shared
-// atomics (as scatter_kernel); no output bit depends on it (permute.cuh).
+// E <= 32 * kPerLane, top_k <= kWarpSelectMaxK. selected_ids / selected_weights: the selection
+// route_select_group_kernel made ([T, k]), or nullptr to select here. Row order inside an expert
+// follows shared atomics (as scatter_kernel); no output bit depends on it (permute.cuh).
 template <int kPerLane>
 __global__ void __launch_bounds__(kScanThreads, 1) route_schedule_kernel(const float* __restrict__ logits,
                                                                       const float* __restrict__ bias, RouteParams p,
                                                                       int T, int expert_offset, int num_local_experts,
-                                                                      int bm, Schedule s) {
+                                                                      int bm, Schedule s,
+                                                                      const int* __restrict__ selected_ids,
+                                                                      const float* __restrict__ selected_weights) {
   __shared__ int ids[kDecodeRouteMaxTokens * kWarpSelectMaxK];
   __shared__ float weights[kDecodeRouteMaxTokens * kWarpSelectMaxK];
   __shared__ int counts[kScanThreads], first_row[kScanThreads], fill[kScanThreads];
@@ -130,12 +173,17 @@ __global__ void __launch_bounds__(kScanThreads, 1) route_schedule_kernel(const f
   pdl_launch_dependents();
   counts[tid] = 0;
   fill[tid] = 0;
-  pdl_wait();  // the logits
+  pdl_wait();  // the logits, or the selection
   zero_split_counters(s);
-  // Warps past T stay idle. (A warp-uniform trip count, every idle warp repeating token T-1 so
-  // that the warp reductions compile without the BRA.DIV / WARPSYNC.COLLECTIVE fallback, was
-  // slower at T = 1: 13.5 µs against 10.4, the fallback costs one untaken branch when converged.)
-  if (group_select_applies(T, p.scoring)) {
+  if (selected_ids != nullptr) {
+    for (int i = tid; i < assignments; i += kScanThreads) {
+      ids[i] = selected_ids[i];
+      weights[i] = selected_weights[i];
+    }
+  } else if (group_select_applies(T, p.scoring)) {
+    // Warps past T stay idle. (A warp-uniform trip count, every idle warp repeating token T-1 so
+    // that the warp reductions compile without the BRA.DIV / WARPSYNC.COLLECTIVE fallback, was
+    // slower at T = 1: 13.5 µs against 10.4, the fallback costs one untaken branch when converged.)
     constexpr int kWarps = kScanThreads / 32;
     const int G = kWarps / T, t = warp / G, j = warp % G;
     const int P = (p.num_experts + 32 * G - 1) / (32 * G);  // experts per lane of a slice

@@ -121,6 +121,32 @@ __device__ __forceinline__ bool wg_tile(const Schedule& s, int n_tiles, WgTile& 
   return true;
 }
 
+// Shared by both kernels below (bf16 SS and MXFP4 RS). The dynamic shared memory from its first
+// 1024-byte boundary (the 128B swizzle's 8-row atoms must be 1024-B aligned).
+__device__ __forceinline__ uint8_t* wg_smem_aligned(uint8_t* raw) {
+  return raw + ((1024 - (smem_addr(raw) & 1023)) & 1023);
+}
+// Thread 0 initialises each stage's `full` (one cp.async arrival per producer thread) and
+// `empty` (one arrival per consumer warp) barrier; the caller's __syncthreads publishes them.
+__device__ __forceinline__ void wg_init_stage_barriers(uint64_t* full, uint64_t* empty, int stages) {
+  if (threadIdx.x != 0) return;
+  for (int s = 0; s < stages; ++s) {
+    mbar_init(&full[s], 128);
+    mbar_init(&empty[s], 8);
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// m_tiles: the grid's M tiles (max_m_tiles with kWgBM); CTAs past the schedule's tiles exit.
+// The shared-memory attribute is per device, so it is set on every launch (not a stream
+// operation: allowed during graph capture).
+template <typename Kernel>
+cudaError_t wg_launch(Kernel kernel, size_t smem, const WgParams& p, int m_tiles, cudaStream_t stream) {
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (err != cudaSuccess) return err;
+  kernel<<<(unsigned)m_tiles * p.n_tiles, kWgThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
 // Producer warpgroup (128 threads). k-step kt goes to stage kt % kWgStages once the consumers
 // released it. Thread t copies 16-byte chunk t % 8 of A rows t/8 + 16i (8 consecutive threads
 // read one 128-byte row), the same for weight rows t/8 + 16i. Then a cp.async arrival on the
@@ -192,18 +218,12 @@ __global__ void __launch_bounds__(kWgThreads, 1) routed_gemm_wgmma_kernel(const 
   WgTile t;
   if (!wg_tile(p.s, p.n_tiles, t)) return;
   extern __shared__ uint8_t wg_smem_raw[];
-  uint8_t* smem = wg_smem_raw + ((1024 - (smem_addr(wg_smem_raw) & 1023)) & 1023);
+  uint8_t* smem = wg_smem_aligned(wg_smem_raw);
   auto* sa = reinterpret_cast<__nv_bfloat16*>(smem);
   auto* sb = reinterpret_cast<__nv_bfloat16*>(smem + kWgStages * kWgATileBytes);
   auto* bars = reinterpret_cast<uint64_t*>(smem + kWgStages * (kWgATileBytes + kWgBTileBytes));
   uint64_t *full = bars, *empty = bars + kWgStages;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kWgStages; ++s) {
-      mbar_init(&full[s], 128);  // every producer thread
-      mbar_init(&empty[s], 8);   // every consumer warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  wg_init_stage_barriers(full, empty, kWgStages);
   __syncthreads();
 
   const int wg = threadIdx.x / 128;
@@ -264,16 +284,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) routed_gemm_wgmma_kernel(const 
 // L in 256-column output tiles.
 inline bool wgmma_tiles_fit(int L, int I) { return L % kWgBN == 0 && I % (kWgBN / 2) == 0; }
 
-// m_tiles: the grid's M tiles (max_m_tiles with kWgBM); CTAs past the schedule's tiles exit.
 template <bool kGateUp>
 cudaError_t launch_routed_gemm_wgmma(const WgParams& p, int m_tiles, cudaStream_t stream) {
-  const auto kernel = routed_gemm_wgmma_kernel<kGateUp>;
-  const size_t smem = wg_smem_bytes();
-  // per device, so set on every launch (not a stream operation: allowed during graph capture)
-  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-  if (err != cudaSuccess) return err;
-  kernel<<<(unsigned)m_tiles * p.n_tiles, kWgThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  return wg_launch(routed_gemm_wgmma_kernel<kGateUp>, wg_smem_bytes(), p, m_tiles, stream);
 }
 
 
@@ -303,7 +316,11 @@ constexpr int kRsTokTileBytes = kWgBM * kWgBK * 2;  // up to 128 token rows x 64
 constexpr int kRsRawTileBytes = kWgBN * kWgBK / 2;  // 256 weight rows x 64 codes, 32-byte rows
 // setmaxnreg moves registers inside the CTA's launch allocation (384 threads x the 168 that
 // __launch_bounds__(384, 1) gives): an increase past what the producer gave back never returns.
-constexpr int kRsProducerRegs = 72, kRsConsumerRegs = 216;
+// The consumers need more than 216: there (the producer at 72) ptxas serialized every wgmma of
+// both kernels for lack of registers (warning C7512: each MMA waited to retire, so the
+// dequantisation of the next k-step never overlapped the MMAs); at 232 it does not, and the
+// producer's loop fits 40 without spilling.
+constexpr int kRsProducerRegs = 40, kRsConsumerRegs = 232;
 static_assert(128 * kRsProducerRegs + 256 * kRsConsumerRegs <= kWgThreads * 168, "CTA register allocation");
 
 __host__ __device__ constexpr size_t rs_smem_bytes() {
@@ -614,20 +631,14 @@ __global__ void __launch_bounds__(kWgThreads, 1) routed_gemm_rs_kernel(const __g
   WgTile t;
   if (!wg_tile(p.s, p.n_tiles, t)) return;
   extern __shared__ uint8_t rs_smem_raw[];
-  uint8_t* smem = rs_smem_raw + ((1024 - (smem_addr(rs_smem_raw) & 1023)) & 1023);
+  uint8_t* smem = wg_smem_aligned(rs_smem_raw);
   uint8_t* tok = smem;
   uint8_t* raw = smem + kRsStages * kRsTokTileBytes;
   auto* scale_tab = reinterpret_cast<uint2*>(raw + kRsStages * kRsRawTileBytes);
   auto* bars = reinterpret_cast<uint64_t*>(scale_tab + 256);
   uint64_t *full = bars, *empty = bars + kRsStages;
   if (threadIdx.x < 256) scale_tab[threadIdx.x] = rs_scale_entry(threadIdx.x);
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kRsStages; ++s) {
-      mbar_init(&full[s], 128);  // every producer thread
-      mbar_init(&empty[s], 8);   // every consumer warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  wg_init_stage_barriers(full, empty, kRsStages);
   __syncthreads();
 
   const int wg = threadIdx.x / 128;
@@ -655,12 +666,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) routed_gemm_rs_kernel(const __g
 // MXFP4 prefill GEMMs (same grids, params and schedule as launch_routed_gemm_wgmma).
 template <bool kGateUp>
 cudaError_t launch_routed_gemm_rs(const WgParams& p, int m_tiles, cudaStream_t stream) {
-  const auto kernel = routed_gemm_rs_kernel<kGateUp>;
-  const size_t smem = rs_smem_bytes();
-  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-  if (err != cudaSuccess) return err;
-  kernel<<<(unsigned)m_tiles * p.n_tiles, kWgThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  return wg_launch(routed_gemm_rs_kernel<kGateUp>, rs_smem_bytes(), p, m_tiles, stream);
 }
 
 }  // namespace moe

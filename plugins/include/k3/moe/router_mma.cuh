@@ -68,6 +68,141 @@ __device__ __forceinline__ void split3_bf16x2(float2 v, uint32_t& hi, uint32_t& 
   lo = bf16x2_bits(__floats2bfloat162_rn(r1.x - mf.x, r1.y - mf.y));
 }
 
+// One thread's cp.async share of a k-stage, for both logits kernels: a BM x 64 x tile (bf16,
+// 8 chunks per row) and a BN x 64 w tile (fp32, 16 chunks per row). Copy j of thread tid takes
+// x row tid/8 + j·(kThreads/8), chunk tid % 8, and w row tid/16 + j·(kThreads/16), chunk tid % 16.
+// Both row steps keep a row's swizzle (row & 7 for x, row & 3 for w), and both advance the
+// source by kThreads·D/4 bytes, so everything but the k offset is fixed per thread: set up once,
+// a stage costs an add and the copy per chunk (recomputing the swizzles, bounds and 64-bit
+// addresses per stage was a third of the whole-D kernel's instructions). Chunks past T, E or D
+// are zero-filled from the tensor's start (src_bytes 0), on a separate path taken only where a
+// thread's rows or the stage's k reach past an edge.
+template <int BM, int BN, int kThreads>
+struct RtStageLoader {
+  static constexpr int kXCopies = BM * 8 / kThreads, kWCopies = BN * 16 / kThreads;
+  static constexpr int kXRowStep = kThreads / 8, kWRowStep = kThreads / 16;
+  static_assert(BM * 8 % kThreads == 0 && BN * 16 % kThreads == 0, "whole 16-byte chunks per thread");
+  static_assert(kXRowStep % 8 == 0 && kWRowStep % 4 == 0, "a thread's rows share one swizzle");
+  const char* x_src;  // x row t0 + tid/8 at k = 8·(tid % 8) (may lie past T: then never read)
+  const char* w_src;  // w row e0 + tid/16 at k = 4·(tid % 16)
+  const char* x_base;
+  const char* w_base;
+  uint32_t row_step;      // bytes from copy j to j + 1, the same for x and w: kThreads·D/4
+  int x_dst, w_dst;       // copy 0's byte offset in a stage
+  int x_k, w_k;           // the chunk's first k within a stage
+  uint32_t x_in, w_in;    // bit j: copy j's row lies inside T (x) or E (w)
+  bool all_in;            // every copy's row does
+  int D;
+
+  __device__ __forceinline__ RtStageLoader(const __nv_bfloat16* x, const float* w, int t0, int e0, int T, int E,
+                                           int D_, int tid)
+      : x_base(reinterpret_cast<const char*>(x)), w_base(reinterpret_cast<const char*>(w)), D(D_) {
+    const int xr = tid / 8, xc = tid % 8, wr = tid / 16, wc = tid % 16;
+    x_k = 8 * xc;
+    w_k = 4 * wc;
+    x_src = x_base + ((size_t)(t0 + xr) * D + x_k) * 2;
+    w_src = w_base + ((size_t)(e0 + wr) * D + w_k) * 4;
+    row_step = (uint32_t)kThreads * (uint32_t)D / 4;
+    x_dst = rt_x_offset(xr, xc);
+    w_dst = rt_w_offset(wr, wc);
+    x_in = w_in = 0;
+#pragma unroll
+    for (int j = 0; j < kXCopies; ++j) x_in |= (uint32_t)(t0 + xr + j * kXRowStep < T) << j;
+#pragma unroll
+    for (int j = 0; j < kWCopies; ++j) w_in |= (uint32_t)(e0 + wr + j * kWRowStep < E) << j;
+    all_in = x_in == (1u << kXCopies) - 1 && w_in == (1u << kWCopies) - 1;
+  }
+
+  // k-stage kt (absolute) into the stage buffers xst (x_stage_bytes) and wst.
+  __device__ __forceinline__ void load(uint8_t* xst, uint8_t* wst, int kt) const {
+    const int k0 = kt * kRtBK;
+    if (all_in && k0 + kRtBK <= D) {  // all copies but those at the edges of T, E and D
+#pragma unroll
+      for (int j = 0; j < kXCopies; ++j)
+        cp_async16(xst + x_dst + j * (kXRowStep * 128), x_src + (j * row_step + (uint32_t)k0 * 2));
+#pragma unroll
+      for (int j = 0; j < kWCopies; ++j)
+        cp_async16(wst + w_dst + j * (kWRowStep * 256), w_src + (j * row_step + (uint32_t)k0 * 4));
+      return;
+    }
+    const bool xk_in = k0 + x_k < D, wk_in = k0 + w_k < D;
+#pragma unroll
+    for (int j = 0; j < kXCopies; ++j) {
+      const bool in = xk_in && (x_in >> j & 1u);
+      cp_async16(xst + x_dst + j * (kXRowStep * 128), in ? x_src + (j * row_step + (uint32_t)k0 * 2) : x_base,
+                 in ? 16 : 0);
+    }
+#pragma unroll
+    for (int j = 0; j < kWCopies; ++j) {
+      const bool in = wk_in && (w_in >> j & 1u);
+      cp_async16(wst + w_dst + j * (kWRowStep * 256), in ? w_src + (j * row_step + (uint32_t)k0 * 4) : w_base,
+                 in ? 16 : 0);
+    }
+  }
+};
+
+// The cp.async ring of both kernels: nk k-stages from kt0, stage buffer kt % kStages (x at
+// xs + that · kXBytes, w at ws + that · kWBytes), each loaded kStages - 1 k-stages ahead; body(xst,
+// wst) consumes one stage. The stage refilled in an iteration was last read in the one before,
+// which every warp has finished at its __syncthreads.
+template <int kStages, int kXBytes, int kWBytes, class Loader, class Body>
+__device__ __forceinline__ void rt_stage_loop(const Loader& loader, uint8_t* xs, uint8_t* ws, int kt0, int nk,
+                                              Body&& body) {
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < nk) loader.load(xs + s * kXBytes, ws + s * kWBytes, kt0 + s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < nk; ++kt) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    const int next = kt + kStages - 1;
+    if (next < nk) loader.load(xs + (next % kStages) * kXBytes, ws + (next % kStages) * kWBytes, kt0 + next);
+    cp_async_commit();
+    body(xs + (kt % kStages) * kXBytes, ws + (kt % kStages) * kWBytes);
+  }
+  cp_async_wait<0>();
+}
+
+// One warp's 64 tokens (stage rows m0..m0+63) x 16 experts (rows n0..n0+15) over the 32 k from
+// k32 of a stage: one chain of 6 MMAs (2 k16 x 3 terms, small terms first) into a zeroed tile,
+// then folded into master with round-to-nearest adds (the accuracy argument at the top).
+__device__ __forceinline__ void rt_chain32(float (&master)[4][2][4], const uint8_t* xst, const uint8_t* wst, int m0,
+                                           int n0, int k32) {
+  const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  float chain[4][2][4] = {};
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk) {
+    const int k16 = k32 + kk * 16;
+    uint32_t a[4][4];
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi) ldmatrix_x4(a[mi], xst + rt_x_offset(m0 + mi * 16 + lane % 16, k16 / 8 + lane / 16));
+    uint32_t b[3][2][2];  // [hi, mid, lo][n8 fragment][k 2q.. / k 2q+8..]
+#pragma unroll
+    for (int ni = 0; ni < 2; ++ni) {
+      const int n = n0 + ni * 8 + g;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int k = k16 + 8 * half + 2 * q;
+        const float2 v = *reinterpret_cast<const float2*>(wst + rt_w_offset(n, k / 4) + (k % 4) * 4);
+        split3_bf16x2(v, b[0][ni][half], b[1][ni][half], b[2][ni][half]);
+      }
+    }
+#pragma unroll
+    for (int term = 2; term >= 0; --term)
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 2; ++ni) mma_bf16(chain[mi][ni], a[mi], b[term][ni][0], b[term][ni][1]);
+  }
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 2; ++ni)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) master[mi][ni][j] += chain[mi][ni][j];
+}
+
 // grid (ceil(E / 64), ceil(T / 64)), kRtThreads threads, kRtSmemBytes dynamic shared memory;
 // D % 8 == 0, x and w 16-byte aligned. CTA 0 also zeroes zero[0, zero_n) (the per-expert row
 // counts that the select kernel then counts into: one memset node less).
@@ -85,73 +220,13 @@ __global__ void __launch_bounds__(kRtThreads, 2) router_logits_mma_kernel(const 
   if (blockIdx.x == 0 && blockIdx.y == 0)
     for (int i = tid; i < zero_n; i += kRtThreads) zero[i] = 0;
 
-  auto load_stage = [&](int stage, int kt) {
-    const int k0 = kt * kRtBK;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {  // x: 64 rows x 8 chunks of 8 bf16
-      const int id = tid + kRtThreads * j, row = id / 8, chunk = id % 8, k = k0 + chunk * 8;
-      const bool in = t0 + row < T && k < D;
-      cp_async16(xs + stage * kRtXStageBytes + rt_x_offset(row, chunk), in ? x + (size_t)(t0 + row) * D + k : x,
-                 in ? 16 : 0);
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {  // w: 64 rows x 16 chunks of 4 fp32
-      const int id = tid + kRtThreads * j, row = id / 16, chunk = id % 16, k = k0 + chunk * 4;
-      const bool in = e0 + row < E && k < D;
-      cp_async16(ws + stage * kRtWStageBytes + rt_w_offset(row, chunk), in ? w + (size_t)(e0 + row) * D + k : w,
-                 in ? 16 : 0);
-    }
-  };
-
-#pragma unroll
-  for (int s = 0; s < kRtStages - 1; ++s) {
-    if (s < nk) load_stage(s, s);
-    cp_async_commit();
-  }
-
+  const RtStageLoader<kRtBM, kRtBN, kRtThreads> loader(x, w, t0, e0, T, E, D, tid);
   float master[4][2][4] = {};
-  for (int kt = 0; kt < nk; ++kt) {
-    cp_async_wait<kRtStages - 2>();
-    __syncthreads();
-    // The stage refilled now was last read in k-step kt-1, which every warp has finished.
-    if (kt + kRtStages - 1 < nk) load_stage((kt + kRtStages - 1) % kRtStages, kt + kRtStages - 1);
-    cp_async_commit();
-    const uint8_t* xst = xs + (kt % kRtStages) * kRtXStageBytes;
-    const uint8_t* wst = ws + (kt % kRtStages) * kRtWStageBytes;
-
-    float chain[4][2][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      const int k16 = kg * 32 + kk * 16;
-      uint32_t a[4][4];
-#pragma unroll
-      for (int mi = 0; mi < 4; ++mi) ldmatrix_x4(a[mi], xst + rt_x_offset(mi * 16 + lane % 16, k16 / 8 + lane / 16));
-      uint32_t b[3][2][2];  // [hi, mid, lo][n8 fragment][k 2q.. / k 2q+8..]
-#pragma unroll
-      for (int ni = 0; ni < 2; ++ni) {
-        const int n = wn * 16 + ni * 8 + g;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int k = k16 + 8 * half + 2 * q;
-          const float2 v = *reinterpret_cast<const float2*>(wst + rt_w_offset(n, k / 4) + (k % 4) * 4);
-          split3_bf16x2(v, b[0][ni][half], b[1][ni][half], b[2][ni][half]);
-        }
-      }
-#pragma unroll
-      for (int term = 2; term >= 0; --term)  // small terms first
-#pragma unroll
-        for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-          for (int ni = 0; ni < 2; ++ni) mma_bf16(chain[mi][ni], a[mi], b[term][ni][0], b[term][ni][1]);
-    }
-#pragma unroll
-    for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-      for (int ni = 0; ni < 2; ++ni)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) master[mi][ni][j] += chain[mi][ni][j];
-  }
-  cp_async_wait<0>();
+  // warp (kg, wn): all 64 tokens x experts wn·16.. for k-half kg of every stage
+  rt_stage_loop<kRtStages, kRtXStageBytes, kRtWStageBytes>(loader, xs, ws, 0, nk, [&](const uint8_t* xst,
+                                                                                   const uint8_t* wst) {
+    rt_chain32(master, xst, wst, 0, wn * 16, kg * 32);
+  });
   __syncthreads();  // every warp is done with the stages: reuse them for the K-group sum
 
   float* red = reinterpret_cast<float*>(rt_smem);  // [wn][mi][ni][j][lane]: conflict-free
@@ -184,7 +259,6 @@ struct RouterMmaShape {
   static constexpr int BM = 64 * kWM, BN = 16 * kWN, threads = 32 * kWM * kWN;
   static constexpr int x_stage_bytes = BM * kRtBK * 2, w_stage_bytes = BN * kRtBK * 4;
   static constexpr int smem_bytes = kStages * (x_stage_bytes + w_stage_bytes);
-  static_assert(BM * 8 % threads == 0 && BN * 16 % threads == 0, "whole 16-byte chunks per thread");
 };
 
 // The same logits for batches too small to fill the GPU with whole-D tiles (decode, T <= a few
@@ -215,76 +289,14 @@ __global__ void __launch_bounds__(32 * kWM * kWN, 16 / (kWM * kWN) > 1 ? 16 / (k
   if (blockIdx.x == 0 && blockIdx.y == 0 && split == 0)
     for (int i = tid; i < zero_n; i += S::threads) zero[i] = 0;
 
-  auto load_stage = [&](int stage, int kt) {
-    const int k0 = (kt0 + kt) * kRtBK;
-#pragma unroll
-    for (int j = 0; j < S::BM * 8 / S::threads; ++j) {  // x: BM rows x 8 chunks of 8 bf16
-      const int id = tid + S::threads * j, row = id / 8, chunk = id % 8, k = k0 + chunk * 8;
-      const bool in = t0 + row < T && k < D;
-      cp_async16(xs + stage * S::x_stage_bytes + rt_x_offset(row, chunk), in ? x + (size_t)(t0 + row) * D + k : x,
-                 in ? 16 : 0);
-    }
-#pragma unroll
-    for (int j = 0; j < S::BN * 16 / S::threads; ++j) {  // w: BN rows x 16 chunks of 4 fp32
-      const int id = tid + S::threads * j, row = id / 16, chunk = id % 16, k = k0 + chunk * 4;
-      const bool in = e0 + row < E && k < D;
-      cp_async16(ws + stage * S::w_stage_bytes + rt_w_offset(row, chunk), in ? w + (size_t)(e0 + row) * D + k : w,
-                 in ? 16 : 0);
-    }
-  };
-
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < nk) load_stage(s, s);
-    cp_async_commit();
-  }
-
+  const RtStageLoader<S::BM, S::BN, S::threads> loader(x, w, t0, e0, T, E, D, tid);
   float master[4][2][4] = {};
-  for (int kt = 0; kt < nk; ++kt) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();
-    // The stage refilled now was last read in k-step kt-1, which every warp has finished.
-    if (kt + kStages - 1 < nk) load_stage((kt + kStages - 1) % kStages, kt + kStages - 1);
-    cp_async_commit();
-    const uint8_t* xst = xs + (kt % kStages) * S::x_stage_bytes;
-    const uint8_t* wst = ws + (kt % kStages) * S::w_stage_bytes;
+  rt_stage_loop<kStages, S::x_stage_bytes, S::w_stage_bytes>(loader, xs, ws, kt0, nk, [&](const uint8_t* xst,
+                                                                                        const uint8_t* wst) {
 #pragma unroll 1
-    for (int half_stage = 0; half_stage < 2; ++half_stage) {  // one 6-MMA chain per 32 k
-      float chain[4][2][4] = {};
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        const int k16 = half_stage * 32 + kk * 16;
-        uint32_t a[4][4];
-#pragma unroll
-        for (int mi = 0; mi < 4; ++mi)
-          ldmatrix_x4(a[mi], xst + rt_x_offset(wm * 64 + mi * 16 + lane % 16, k16 / 8 + lane / 16));
-        uint32_t b[3][2][2];  // [hi, mid, lo][n8 fragment][k 2q.. / k 2q+8..]
-#pragma unroll
-        for (int ni = 0; ni < 2; ++ni) {
-          const int n = wn * 16 + ni * 8 + g;
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int k = k16 + 8 * half + 2 * q;
-            const float2 v = *reinterpret_cast<const float2*>(wst + rt_w_offset(n, k / 4) + (k % 4) * 4);
-            split3_bf16x2(v, b[0][ni][half], b[1][ni][half], b[2][ni][half]);
-          }
-        }
-#pragma unroll
-        for (int term = 2; term >= 0; --term)  // small terms first
-#pragma unroll
-          for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-            for (int ni = 0; ni < 2; ++ni) mma_bf16(chain[mi][ni], a[mi], b[term][ni][0], b[term][ni][1]);
-      }
-#pragma unroll
-      for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < 2; ++ni)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) master[mi][ni][j] += chain[mi][ni][j];
-    }
-  }
-  cp_async_wait<0>();
+    for (int half_stage = 0; half_stage < 2; ++half_stage)  // one chain per 32 k
+      rt_chain32(master, xst, wst, wm * 64, wn * 16, 32 * half_stage);
+  });
 
   auto store = [&](int slot, float v) {  // slot = (mi * 2 + ni) * 4 + j of this thread's tile
     const int mi = slot / 8, ni = slot / 4 % 2, j = slot % 4;
