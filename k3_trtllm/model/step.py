@@ -18,7 +18,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from k3_trtllm.ops.capture import capturing
+from k3_trtllm.ops.capture import capturing, device_key
 
 
 @dataclass
@@ -88,7 +88,7 @@ def _to_cuda_packed(present: list[tuple[str, torch.Tensor]], device: torch.devic
         n = t.numel()
         sizes += [n, -n % _ALIGN]  # the field, then its padding to the next 16 bytes
     total = sum(sizes)
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_key(device).index
     staging = _STAGING.get(index)
     if staging is None:
         staging = _STAGING.setdefault(index, _Staging())

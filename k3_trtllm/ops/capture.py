@@ -22,7 +22,7 @@ def capturing(device: torch.device) -> bool:
     non-CUDA device)."""
     if device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_key(device).index
     if index == torch.cuda.current_device():  # the common case: no device switch
         return torch.cuda.is_current_stream_capturing()
     with torch.cuda.device(index):

@@ -265,19 +265,13 @@ def test_k3_ep_rank_decode_with_few_touched_experts(cuda_moe, T, mxfp4):
     assert torch.equal(outs[0].cpu()[elsewhere], torch.zeros_like(outs[0].cpu()[elsewhere]))
 
 
-@pytest.mark.parametrize("num_experts,T", [(112, 1000), (896, 1000), (896, 4096), (896, 200), (112, 40)])
-def test_prefill_router_logits_as_accurate_as_fp32(cuda_moe, num_experts, T):
-    """Router logits on the tensor cores (router_mma.cuh, three bf16 terms of the fp32 weights)
-    at K3 width D = 7168, against fp64: the error is no larger than that of a sequential fp32
-    sum over D (emulated on the GPU, one rounded product and one rounded add per step), in rms
-    and in max; selection equals the fp32 CPU reference's; a second call gives the same bits.
-    1000 and 4096 tokens: whole-D 64 x 64 tiles (1000: 15 full 64-token tiles and a partial
-    one); 200 and 40 (a decode batch, T > 8): D split over clusters of 8 CTAs, 64-token tiles
-    (200: a partial fourth). 896 experts: 14 expert tiles, 112: a partial second one. A
-    two-term split (2^-16 per weight) would be ~10x over the rms."""
-    D = 7168
+def router_logits_errors(cuda_moe, num_experts, T, D, seed):
+    """Random bf16 tokens and an fp32 router of K3's scale; the CUDA router's logits and their
+    absolute errors against fp64, beside those of a sequential fp32 sum over D (emulated on the
+    GPU, one rounded product and one rounded add per step). Returns (case, x, router, bias,
+    logits, err, err_seq)."""
     case = (num_experts, num_experts, 0, 16, 1, 1, 0, 1, 1.0, 1, 2.0, 4.0, 64, 64, D)
-    g = torch.Generator(device="cuda").manual_seed(num_experts)
+    g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(T, D, generator=g, device="cuda").bfloat16()
     router = torch.randn(num_experts, D, generator=g, device="cuda") * D ** -0.5
     bias = torch.randn(num_experts, generator=g, device="cuda") * 0.1
@@ -288,7 +282,20 @@ def test_prefill_router_logits_as_accurate_as_fp32(cuda_moe, num_experts, T):
     xf = x.float()
     for k in range(D):
         sequential += xf[:, k, None] * router[None, :, k]
-    err, err_seq = (logits.double() - exact).abs(), (sequential.double() - exact).abs()
+    return case, x, router, bias, logits, (logits.double() - exact).abs(), (sequential.double() - exact).abs()
+
+
+@pytest.mark.parametrize("num_experts,T", [(112, 1000), (896, 1000), (896, 4096), (896, 200), (112, 40)])
+def test_prefill_router_logits_as_accurate_as_fp32(cuda_moe, num_experts, T):
+    """Router logits on the tensor cores (router_mma.cuh, three bf16 terms of the fp32 weights)
+    at K3 width D = 7168, against fp64: the error is no larger than that of a sequential fp32
+    sum over D (emulated on the GPU, one rounded product and one rounded add per step), in rms
+    and in max; selection equals the fp32 CPU reference's; a second call gives the same bits.
+    1000 and 4096 tokens: whole-D 64 x 64 tiles (1000: 15 full 64-token tiles and a partial
+    one); 200 and 40 (a decode batch, T > 8): D split over clusters of 8 CTAs, 64-token tiles
+    (200: a partial fourth). 896 experts: 14 expert tiles, 112: a partial second one. A
+    two-term split (2^-16 per weight) would be ~10x over the rms."""
+    case, x, router, bias, logits, err, err_seq = router_logits_errors(cuda_moe, num_experts, T, 7168, num_experts)
     rms, rms_seq = float(err.square().mean().sqrt()), float(err_seq.square().mean().sqrt())
     print(f"router logits E={num_experts}: rms err {rms:.2e} (sequential fp32 {rms_seq:.2e}), "
           f"max {float(err.max()):.2e} ({float(err_seq.max()):.2e})")
@@ -310,18 +317,7 @@ def test_router_logits_at_tile_and_k_edges(cuda_moe, num_experts, T, D):
     is off by the size of a logit, far beyond twice the error of a sequential fp32 sum (the
     bound here: at D ~100 the chains' truncation is no longer small next to that sum's 100
     roundings, as it is at K3's D in the test above)."""
-    case = (num_experts, num_experts, 0, 16, 1, 1, 0, 1, 1.0, 1, 2.0, 4.0, 64, 64, D)
-    g = torch.Generator(device="cuda").manual_seed(D)
-    x = torch.randn(T, D, generator=g, device="cuda").bfloat16()
-    router = torch.randn(num_experts, D, generator=g, device="cuda") * D ** -0.5
-    bias = torch.randn(num_experts, generator=g, device="cuda") * 0.1
-    logits = torch.full((T, num_experts), float("nan"), device="cuda")
-    cuda_moe.route(x, router, bias, 16, 1, 1, 0, True, 1.0, logits=logits)
-    exact = x.double() @ router.double().T
-    sequential = torch.zeros(T, num_experts, device="cuda")
-    for k in range(D):
-        sequential += x.float()[:, k, None] * router[None, :, k]
-    err, err_seq = (logits.double() - exact).abs(), (sequential.double() - exact).abs()
+    case, x, router, bias, logits, err, err_seq = router_logits_errors(cuda_moe, num_experts, T, D, D)
     print(f"router logits E={num_experts} T={T} D={D}: max err {float(err.max()):.2e} "
           f"(sequential fp32 {float(err_seq.max()):.2e})")
     assert torch.isfinite(logits).all()
