@@ -23,8 +23,9 @@ experts' weights once at the copy bandwidth measured in this run (copy bandwidth
 written by a 4 GiB device-to-device copy / its time); bf16 and MXFP4 (W4A16) experts. Each case
 also lists its kernels' device times (torch.profiler, eager calls) and, for the two expert GEMVs,
 the touched bytes of their matrix (w13: 2/3 of an expert, w2: 1/3) over that time. --ep-rank adds
-decode as one EP8 rank sees it (T = 1, 8, 32; router over 896 experts, these 112 one rank's
-shard): only the local experts that got a token count (1-3 at T = 1). The later
+decode as one EP8 rank sees it (T = 1, 8, 32, 128; router over 896 experts, these 112 one rank's
+shard; 128 is the rank slice's batch-128 shape): only the local experts that got a token count
+(1-3 at T = 1). The later
 kernels of the decode chain are programmatic dependents (pdl.cuh), so their profiled times
 include a few µs of waiting for the kernel before; the graph time is the op's.
 Times: CUDA events, median of a few repetitions after one warm-up (weights are far larger than
@@ -55,7 +56,7 @@ E = EL = 112
 TOP_K, L, I, D = 16, 3584, 3072, 7168
 PREFILL_T = 4096
 DECODE_T = (1, 8, 64)
-EP_E, EP_DECODE_T = 896, (1, 8, 32)  # --ep-rank: K3's router, these EL experts one EP8 rank's shard
+EP_E, EP_DECODE_T = 896, (1, 8, 32, 128)  # --ep-rank: K3's router, these EL experts one EP8 rank's shard
 BETA, LINEAR_BETA = 2.0, 4.0
 ATTRS = (E, TOP_K, 1, 1, 0, 0, 1, 1.0, 1, BETA, LINEAR_BETA)
 

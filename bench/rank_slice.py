@@ -451,8 +451,9 @@ class Graph:
 
 def graph_host_parts(executor: TorchExecutor, step, device: torch.device, iters: int) -> dict[str, float]:
     """Where a replayed decode step's host time goes (median ms, as ``host_ms``): the whole
-    ``_DecodeGraph.run`` (staging copy-in, one host-to-device copy, replay, output clone) and the
-    bare ``CUDAGraph.replay`` inside it; empty when the shape was not captured."""
+    ``_DecodeGraph.run`` (the step copied into the pinned staging buffer, the replay, whose graph
+    copies it to the device, the output clone) and the bare ``CUDAGraph.replay`` inside it; empty
+    when the shape was not captured."""
     graph = executor.graphs.get((step.num_seqs, padded_width(step.block_tables.shape[1])))
     if graph is None:
         return {}

@@ -49,6 +49,8 @@ class Sampler:
         tokens = logits.argmax(dim=-1).tolist()  # plain greedy rows need nothing else
         for i, seq in enumerate(seqs):
             params = seq.sampling
+            if params.argmax_only:
+                continue
             if params.processes_logits or not params.is_greedy:
                 row = self.processed_logits(logits[i], seq)
                 tokens[i] = int(row.argmax()) if params.is_greedy else self._draw(row, seq)

@@ -106,16 +106,28 @@ class Scheduler:
         # preempted, which the status check skips), so a batch of decodes is walked once; a
         # pass stopped by the budget or the batch size leaves nothing for the second.
         prefills: list[Sequence] = []
+        # Without the prefix cache every block is owned by one sequence, so a decode whose token
+        # fits its last block needs no block, can preempt nobody and writes where it may: it is
+        # scheduled here as ``_schedule`` would, without the calls (every decode of every step).
+        fits = self.blocks.block_size if self.prefix is None else 0
+        entries, sampling = batch.entries, batch.sampling
         for decode_pass in (True, False):
             for seq in list(self.running) if decode_pass else prefills:
-                if budget == 0 or len(batch.entries) == self.max_batch_size:
+                if budget == 0 or len(entries) == self.max_batch_size:
                     prefills = []
                     break
                 if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
                     continue
-                if decode_pass and seq.num_uncached_tokens != 1:
-                    prefills.append(seq)
-                    continue
+                if decode_pass:
+                    if len(seq.token_ids) - seq.num_cached_tokens != 1:
+                        prefills.append(seq)
+                        continue
+                    if seq.num_cached_tokens < len(seq.block_table) * fits:
+                        entries.append((seq, 1))
+                        sampling.append(seq)
+                        scheduled.add(seq.seq_id)
+                        budget -= 1
+                        continue
                 capacity = self._make_room(seq, scheduled)
                 if capacity == 0:
                     continue  # seq preempted itself
@@ -202,9 +214,9 @@ class Scheduler:
             raise ValueError(f"got {len(sampled)} sampled tokens for {len(batch.sampling)} sampling sequences")
         for seq, n in batch.entries:
             seq.num_cached_tokens += n
-            if self.prefix:
-                self.blocks.register(seq, seq.num_cached_tokens - n, seq.num_cached_tokens)
         if self.prefix:
+            for seq, n in batch.entries:
+                self.blocks.register(seq, seq.num_cached_tokens - n, seq.num_cached_tokens)
             self.prefix.commit()
         results = []
         any_finished = False

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -84,6 +85,12 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether anything but temperature/top-k/top-p touches this request's logits."""
         return self.has_penalties or bool(self.bad_words) or bool(self.logit_bias) or self.min_tokens > 0
+
+    @functools.cached_property  # kept in the instance's __dict__: the fields never change
+    def argmax_only(self) -> bool:
+        """Whether a row's token is its raw logits' argmax and nothing else is asked of it (the
+        sampler reads this for every row of every step)."""
+        return self.is_greedy and not self.processes_logits and not self.logprobs
 
     def token_ids_used(self) -> list[int]:
         """Every token id these parameters name (the engine checks them against its vocabulary)."""

@@ -145,9 +145,19 @@ int launch_logits(const __nv_bfloat16* x, const float* w, float* logits, int T, 
   return cudaSuccess;
 }
 
+// Sigmoid scores up to this many tokens: kSelectGroupWarps warps per token (decode_route.cuh, the
+// same ids and weight bits as one warp's k serial rounds, so the choice by T changes no bit).
+// H200, session 19 (moe_bench, CUDA graph, us; group / one warp per token): E = 896 T = 128:
+// 7.6 / 19.4; T = 4096: 45.9 / 43.4 (E = 112: 31.1 / 21.0): past a few thousand tokens the warps
+// per token already fill the GPU and the group's merge is extra work.
+constexpr int kGroupSelectMaxRows = 1024;
+
 void launch_select(const float* logits, const float* bias, int* topk_ids, float* topk_weights, int T,
                    const RouteParams& p, const SelectExtras& extras, cudaStream_t stream) {
-  if (warp_select_applies(p.num_experts, p.top_k, p.num_expert_group)) {
+  if (warp_select_applies(p.num_experts, p.top_k, p.num_expert_group) && p.scoring == 0 &&
+      T <= kGroupSelectMaxRows) {
+    route_select_group_kernel<<<T, kSelectGroupWarps * 32, 0, stream>>>(logits, bias, p, topk_ids, topk_weights, extras);
+  } else if (warp_select_applies(p.num_experts, p.top_k, p.num_expert_group)) {
     const unsigned blocks = (T + kWarpSelectWarps - 1) / kWarpSelectWarps;
     with_experts_per_lane(p.num_experts, [&](auto per_lane) {
       router_select_warp_kernel<decltype(per_lane)::value>
@@ -296,7 +306,8 @@ int moe_forward(const MoeArgs& a) {
     const bool preselect = select_kernel_applies(a.T, a.scoring);
     if (preselect)
       launch_dependent(route_select_group_kernel, dim3(a.T), dim3(kSelectGroupWarps * 32), st,
-                       static_cast<const float*>(w.logits), a.bias, p, w.topk_ids, w.topk_weights);
+                       static_cast<const float*>(w.logits), a.bias, p, w.topk_ids, w.topk_weights,
+                       SelectExtras{nullptr, 0, 0});
     with_experts_per_lane(a.E, [&](auto per_lane) {
       launch_dependent(route_schedule_kernel<decltype(per_lane)::value>, dim3(1), dim3(kScanThreads), st,
                        static_cast<const float*>(w.logits), a.bias, p, a.T, a.offset, a.El, bm, s,

@@ -89,3 +89,26 @@ def test_a_shape_whose_capture_fails_runs_eagerly_with_one_warning(monkeypatch):
         logits = graphs.execute(build_step([([21 + d], 18 + d, 0, [0, 1])], BS), decode=True)
         assert torch.isfinite(logits).all()
     assert len(attempts) == 1 and graphs.graphs == {} and graphs.graph_replays == 0
+
+
+def test_a_replay_zeroes_the_block_table_columns_past_its_step():
+    """A replay leaves the graph's block tables as ``pad_block_tables`` would: a step narrower than
+    the one before it in the same graph (widths 4 and 3 both run at 4) finds the wider step's last
+    column zeroed, not left over."""
+    from k3_trtllm.model import build_step, load_model
+    from k3_trtllm.runtime.executor import TorchExecutor, pad_block_tables
+    model = load_model(TINY, dtype=torch.bfloat16, device="cuda")
+    caches = model.allocate_caches(8, BS, 1)
+    graphs = TorchExecutor(model, caches, "cuda")
+    graphs.execute(build_step([(list(range(3, 53)), 0, 0, list(range(4)))], BS), decode=False)
+    checked = 0
+    for ctx, width in ((50, 4), (50, 4), (40, 3), (41, 4), (42, 3), (43, 3)):
+        step = build_step([([7 + ctx], ctx, 0, list(range(1, width + 1)))], BS)
+        replays = graphs.graph_replays
+        logits = graphs.execute(step, decode=True)
+        torch.cuda.synchronize()
+        assert torch.isfinite(logits).all()
+        if graphs.graph_replays > replays:
+            assert torch.equal(graphs.graphs[(1, 4)].step.block_tables.cpu(), pad_block_tables(step, 4).block_tables)
+            checked += 1
+    assert checked == 5

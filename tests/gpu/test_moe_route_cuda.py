@@ -10,6 +10,10 @@ Outputs against the fp32 reference with the fp32 reference's own selection
 (test_moe_cuda.check_k3_rank: a wrong expert, weight or row is an O(1e-1) error against the
 2e-3 bound), and bitwise equal over repeats. Softmax scores keep the one-warp path
 (test_moe_cuda's "many_experts_softmax" at T = 40).
+
+The router alone (k3_moe_route) selects with the same 8-warp group up to 1024 tokens and with one
+warp per token past that (moe.cu kGroupSelectMaxRows); both must give the same ids and weight bits,
+or a token's routing would depend on how many tokens share its step.
 """
 from __future__ import annotations
 
@@ -40,3 +44,21 @@ def test_preselected_decode_route_repeats_bitwise(cuda_moe, T):
     attrs = attrs_of(K3_CASE)
     outs = [torch.ops.k3.situ_moe_mxfp4(*dev, *attrs) for _ in range(3)]
     assert all(torch.equal(o, outs[0]) for o in outs[1:]), "repeats differ"
+
+
+@pytest.mark.parametrize("num_experts", [896, 112])
+def test_group_and_warp_selection_give_the_same_bits(cuda_moe, num_experts):
+    # 1024 tokens take the group select, 1100 the one-warp select; both have T > 384, so their
+    # logits come from the same whole-D kernel, whose rows do not depend on T (checked below too)
+    D = 7168
+    g = torch.Generator(device="cuda").manual_seed(53 + num_experts)
+    x = torch.randn(1100, D, generator=g, device="cuda").bfloat16()
+    router = torch.randn(num_experts, D, generator=g, device="cuda") * D ** -0.5
+    bias = torch.randn(num_experts, generator=g, device="cuda") * 0.1
+    logits_group = torch.empty(1024 * num_experts, device="cuda")
+    logits_warp = torch.empty(1100 * num_experts, device="cuda")
+    ids_g, w_g = cuda_moe.route(x[:1024], router, bias, 16, 1, 1, 0, True, 2.5, logits=logits_group)
+    ids_w, w_w = cuda_moe.route(x, router, bias, 16, 1, 1, 0, True, 2.5, logits=logits_warp)
+    assert torch.equal(logits_group, logits_warp[: 1024 * num_experts]), "the logits rows depend on T"
+    assert torch.equal(ids_g, ids_w[:1024]), "the two selections chose other experts or another order"
+    assert torch.equal(w_g, w_w[:1024]), "the two selections' weights differ in bits"

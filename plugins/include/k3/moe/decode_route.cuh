@@ -117,7 +117,10 @@ __device__ __forceinline__ void group_select_merge(const float* __restrict__ row
 // register budget of a 1024-thread CTA) took 46 us at T = 32 on the H200 (ncu, session 18). So a
 // kernel of T CTAs selects first, kSelectGroupWarps warps per token with the group select above
 // (the same ids and weight bits), into the workspace's ids / weights [T, k], and
-// route_schedule_kernel reads them instead of selecting.
+// route_schedule_kernel reads them instead of selecting. The other routing paths (more tokens,
+// prefill) select with it too for sigmoid scores up to kGroupSelectMaxRows tokens (moe.cu
+// launch_select), counting each token's local experts into x.counts when that is given (as
+// router_select_warp_kernel does).
 constexpr int kSelectGroupWarps = 8;
 
 __host__ __device__ inline bool select_kernel_applies(int T, int scoring) {
@@ -128,7 +131,8 @@ __host__ __device__ inline bool select_kernel_applies(int T, int scoring) {
 __global__ void __launch_bounds__(kSelectGroupWarps * 32) route_select_group_kernel(const float* __restrict__ logits,
                                                                                  const float* __restrict__ bias,
                                                                                  RouteParams p, int* __restrict__ ids,
-                                                                                 float* __restrict__ weights) {
+                                                                                 float* __restrict__ weights,
+                                                                                 SelectExtras x) {
   __shared__ uint32_t cand_keys[kSelectGroupWarps * kWarpSelectMaxK];
   __shared__ int cand_ids[kSelectGroupWarps * kWarpSelectMaxK];
   const int t = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32, k = p.top_k;
@@ -148,6 +152,8 @@ __global__ void __launch_bounds__(kSelectGroupWarps * 32) route_select_group_ker
     if (lane < k) {
       ids[(size_t)t * k + lane] = id;
       weights[(size_t)t * k + lane] = weight;
+      const int local = id - x.expert_offset;
+      if (x.counts != nullptr && local >= 0 && local < x.num_local_experts) atomicAdd(&x.counts[local], 1);
     }
   }
 }
