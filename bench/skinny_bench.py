@@ -3,8 +3,7 @@
 against torch's ``F.linear`` (cuBLAS), as a decode step runs them: many calls back to back in one
 CUDA graph, each on its own weight (a ring of copies larger than L2, so every call streams its
 weight from HBM), each call's input made by the call before it (so a call cannot start before
-the previous one ends, as in a layer, and PDL's overlap of one launch with the previous kernel's
-tail shows).
+the previous one ends, as in a layer; a launch that overlaps the previous kernel's tail shows).
 
     K3_KERNELS_LIB=build/libk3_kernels.so python bench/skinny_bench.py --out skinny.json
 
@@ -14,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cuda_timing import time_ms  # noqa: E402
+from rank_slice import commit_id  # noqa: E402
 from k3_trtllm.ops.linear import cuda as skinny  # noqa: E402
 
 # (outputs n, row length k, fp32 output): one TP8/EP8 rank's one-token projections of K3
@@ -44,11 +43,10 @@ def _chain(op, x: torch.Tensor, weights: list[torch.Tensor], k: int):
         h = x
         for w in weights:
             y = op(h, w)
+            # one row: a column slice is contiguous, and so is the repeat's slice made so
             h = y[:, :k] if y.shape[1] >= k else y.repeat(1, -(-k // y.shape[1]))[:, :k].contiguous()
             if h.dtype != torch.bfloat16:
                 h = h.to(torch.bfloat16)
-            if not h.is_contiguous():
-                h = h.contiguous()
         return h
     return step
 
@@ -86,11 +84,6 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available() or not skinny.available():
         sys.exit("skinny_bench.py: needs a CUDA device and the kernel library (K3_KERNELS_LIB or build/)")
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parents[1]).stdout.strip()
-    except OSError:
-        commit = ""
     rows = []
     for n, k, fp32 in SHAPES:
         row = measure(n, k, fp32, args.reps, args.ring_mib << 20)
@@ -98,7 +91,7 @@ def main() -> None:
         print(f"{n:6d} x {k:5d}{' fp32' if fp32 else '     '}: skinny {row['skinny_us']:7.2f} us "
               f"({row['skinny_GBps']:6.0f} GB/s), torch {row['torch_us']:7.2f} us ({row['torch_GBps']:6.0f} GB/s), "
               f"torch/skinny {row['torch_over_skinny']:.3f}", flush=True)
-    report = {"label": args.label, "commit": commit, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+    report = {"label": args.label, "commit": commit_id(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "rows": rows}
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))

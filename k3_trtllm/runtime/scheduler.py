@@ -119,7 +119,7 @@ class Scheduler:
                 if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
                     continue
                 if decode_pass:
-                    if len(seq.token_ids) - seq.num_cached_tokens != 1:
+                    if seq.num_uncached_tokens != 1:
                         prefills.append(seq)
                         continue
                     if seq.num_cached_tokens < len(seq.block_table) * fits:

@@ -154,10 +154,12 @@ constexpr int kGroupSelectMaxRows = 1024;
 
 void launch_select(const float* logits, const float* bias, int* topk_ids, float* topk_weights, int T,
                    const RouteParams& p, const SelectExtras& extras, cudaStream_t stream) {
-  if (warp_select_applies(p.num_experts, p.top_k, p.num_expert_group) && p.scoring == 0 &&
-      T <= kGroupSelectMaxRows) {
-    route_select_group_kernel<<<T, kSelectGroupWarps * 32, 0, stream>>>(logits, bias, p, topk_ids, topk_weights, extras);
-  } else if (warp_select_applies(p.num_experts, p.top_k, p.num_expert_group)) {
+  if (warp_select_applies(p.num_experts, p.top_k, p.num_expert_group)) {
+    if (p.scoring == 0 && T <= kGroupSelectMaxRows) {
+      route_select_group_kernel<<<T, kSelectGroupWarps * 32, 0, stream>>>(logits, bias, p, topk_ids, topk_weights,
+                                                                         extras);
+      return;
+    }
     const unsigned blocks = (T + kWarpSelectWarps - 1) / kWarpSelectWarps;
     with_experts_per_lane(p.num_experts, [&](auto per_lane) {
       router_select_warp_kernel<decltype(per_lane)::value>
