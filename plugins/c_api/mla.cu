@@ -24,6 +24,8 @@
 // the attention kernels' shared-memory tiles; expanded prefill: one bf16 row per pass key
 // before the expansion GEMM). Also needs scale_group % 16 == 0 dividing kv_lora_rank and rows
 // of a multiple of 16 bytes (K3: 656; the tiny model's 100-byte rows are refused).
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -473,8 +475,48 @@ cudaError_t launch_flash(const k3::mla::FlashParams& p, cudaStream_t stream) {
                                                                        p, stream);
 }
 
-cudaError_t launch_flash_wgmma(const k3::mla::FlashParams& p, cudaStream_t stream) {
-  return launch_persistent_flash<k3::mla::FlashWgmmaConfig>(k3::mla::flash_prefill_wgmma_kernel, p, stream);
+// A 2-D bf16 tensor map of `rows` rows of `cols` elements, `row_bytes` apart, read in boxes
+// of 64 columns x `box_rows` into 128B-swizzled shared memory (the wgmma kernel's Q, K and V
+// tiles). The encoder comes from the driver through the runtime (no libcuda link).
+bool make_tile_map(CUtensorMap* map, const void* base, uint64_t cols, uint64_t rows, uint64_t row_bytes,
+                   uint32_t box_rows) {
+  using Encode = PFN_cuTensorMapEncodeTiled_v12000;
+  static const Encode encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &status) !=
+            cudaSuccess ||
+        status != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    return reinterpret_cast<Encode>(fn);
+  }();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {cols, rows};
+  const cuuint64_t strides[1] = {row_bytes};
+  const cuuint32_t box[2] = {64, box_rows};
+  const cuuint32_t element_strides[2] = {1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box, element_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+cudaError_t launch_flash_wgmma(const k3::mla::FlashParams& p, int num_tokens, cudaStream_t stream) {
+  using C = k3::mla::FlashWgmmaConfig;
+  if (num_tokens == 0) return cudaSuccess;  // no query tile (and no tensor map of 0 rows)
+  CUtensorMap kn{}, kpe{}, v{}, q{};
+  const uint64_t keys = static_cast<uint64_t>(p.pass_keys), heads = static_cast<uint64_t>(p.num_heads);
+  if (!make_tile_map(&kn, p.k_nope, heads * C::DN, keys, heads * C::DN * sizeof(bf16), C::BN) ||
+      !make_tile_map(&kpe, p.k_pe, C::DR, keys, C::DR * sizeof(bf16), C::BN) ||
+      !make_tile_map(&v, p.v, heads * C::DV, keys, heads * C::DV * sizeof(bf16), C::BN) ||
+      !make_tile_map(&q, p.q, heads * C::DQK, static_cast<uint64_t>(num_tokens), heads * C::DQK * sizeof(bf16), 64))
+    return cudaErrorNotSupported;
+  cudaError_t err = cudaFuncSetAttribute(k3::mla::flash_prefill_wgmma_kernel,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(C::SMEM_BYTES));
+  if (err != cudaSuccess) return err;
+  const int64_t items = static_cast<int64_t>(p.tile_bound) * p.num_heads;
+  k3::mla::flash_prefill_wgmma_kernel<<<static_cast<unsigned>(std::min<int64_t>(items, sm_count())), C::THREADS,
+                                        C::SMEM_BYTES, stream>>>(p, kn, kpe, v, q);
+  return cudaGetLastError();
 }
 
 // The expanded prefill of `plan` (k3/params.h K3MlaParams, the contract's names); over the
@@ -579,7 +621,7 @@ cudaError_t expanded_forward(const K3MlaParams& p, int scale_group, const Expand
     k3::mla::expand_latents_kernel<<<expand_grid, k3::mla::kExpandThreads, k3::mla::kExpandSmemBytes, stream>>>(e);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
     if (wgmma)
-      err = launch_flash_wgmma(f, stream);
+      err = launch_flash_wgmma(f, num_tokens, stream);
     else
       err = wide ? launch_flash<32, 16, 32, 2>(f, stream) : launch_flash<32, 16, 32, 1>(f, stream);
     if (err != cudaSuccess) return err;

@@ -15,6 +15,7 @@
 #include "k3/moe/decode_route.cuh"
 #include "k3/moe/grouped_gemm.cuh"
 #include "k3/moe/grouped_gemm_wgmma.cuh"
+#include "k3/moe/router_wgmma.cuh"
 #include "k3/moe/permute.cuh"
 #include "k3/moe/router.cuh"
 #include "k3/moe/router_mma.cuh"
@@ -122,7 +123,13 @@ bool route_folds(int T, int D, int E, int k, int G) {
 // 1000: 216 / 176. Batch-invariant mode: whole-D tiles for every T (a token's bits must not
 // depend on its batch).
 constexpr int kRouterSplitMaxTokens = 384;
+constexpr int kRouterWgmmaMinTokens = 2048;
 
+// From kRouterWgmmaMinTokens tokens, E a multiple of 128 and D of 64 (K3: 896, 7168) take the
+// wgmma kernel (router_wgmma.cuh), else router_mma.cuh's whole-D tiles. H200, session 20, E = 896,
+// D = 7168, us, wgmma / whole-D mma.sync (bench/router_bench.py): T = 1024 179 / 153, 2048
+// 183 / 302, 4096 366 / 520, 8192 726 / 1018 (up to 1024 tokens the wgmma grid is 56 CTAs or
+// fewer, one per SM, each ~180 µs for its 112 k-steps).
 // zero_counts / zero_n: zeroed by the tensor-core kernel (only where route_folds).
 int launch_logits(const __nv_bfloat16* x, const float* w, float* logits, int T, int D, int E, int* zero_counts,
                   int zero_n, cudaStream_t stream) {
@@ -131,6 +138,9 @@ int launch_logits(const __nv_bfloat16* x, const float* w, float* logits, int T, 
     if (err != cudaSuccess) return err;
   } else if (D % 8 == 0 && !batch_invariant() && T <= kRouterSplitMaxTokens) {
     const cudaError_t err = launch_router_logits_split<1, 4, 4, 8>(x, w, logits, T, D, E, zero_counts, zero_n, stream);
+    if (err != cudaSuccess) return err;
+  } else if (!batch_invariant() && T >= kRouterWgmmaMinTokens && router_wgmma_applies(D, E)) {
+    const cudaError_t err = launch_router_logits_wgmma(x, w, logits, T, D, E, zero_counts, zero_n, stream);
     if (err != cudaSuccess) return err;
   } else if (D % 8 == 0) {
     const cudaError_t err = cudaFuncSetAttribute(router_logits_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -268,6 +278,17 @@ void launch_decode(const MoeArgs& a, const Workspace& w) {
   } else {
     launch_decode_gemv<gate_up_decode_kernel<kMxfp4, kTiles, kNarrow>>(a.stream, z, a.w13, w.h, w.schedule, a.L,
                                                                        a.I, a.act);
+  }
+  // MXFP4 16-row tiles (T > 8): two 16-row groups per down warp where L allows (decode_gemm.cuh's
+  // kRowGroups: each activation load serves twice the MMAs). H200, session 20 (moe_bench, CUDA
+  // graph, us, HEAD -> groups): all-local T = 64 1138 -> 1069 (down 425 -> 365 profiled), one
+  // EP8 rank's T = 32 335 -> 336, T = 128 461 -> 457.
+  if constexpr (kMxfp4 && kTiles == 2) {
+    if (a.L % (2 * kDecodeFeatures) == 0) {
+      launch_decode_gemv<down_decode_kernel<kMxfp4, kTiles, kNarrow, 2>>(a.stream, h, a.w2, w.part, w.schedule, a.L,
+                                                                         a.I);
+      return;
+    }
   }
   if (decode_wide(a.I, a.w2)) {
     launch_decode_gemv<down_decode_kernel<kMxfp4, kTiles, kWide>>(a.stream, h, a.w2, w.part, w.schedule, a.L, a.I);

@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <algorithm>
+
 #include "k3/norm/attn_res.cuh"
 #include "k3/norm/glu.cuh"
 #include "k3/norm/rms_norm.cuh"
@@ -56,16 +58,53 @@ cudaError_t launch_rms_norm(const K3RmsNormParams& p, cudaStream_t stream) {
                            : launch(k3::norm::rms_norm_kernel<VEC, false>, grid, block, 0, stream, p);
 }
 
-// One CTA per token, up to 512 threads (at decode a CTA is the whole call: width shortens its
-// sweeps); NS, the sources' compile-time bound, the smallest power of two >= num_sources.
+// Each output token's row is split over a cluster of up to 8 CTAs, each at least a warp of vectors:
+// the cluster size, the vectors per thread (ITER) and so the summation order follow from dim and
+// num_sources alone, never from the batch. Two vectors per thread for up to 3 sources (more bytes
+// in flight per thread: faster at large batches), one for more (fewer registers: more CTAs per SM);
+// up to 512 threads per CTA. NS, the sources' compile-time bound: 2, 3, 5, 9 (K3's) or 16.
+template <int VEC, int NS, int ITER>
+cudaError_t launch_mix_kernel(const K3AttnResMixParams& p, int ranks, int per_cta, cudaStream_t stream) {
+  const int threads = ((per_cta + ITER - 1) / ITER + 31) / 32 * 32;
+  // two vectors per thread: up to 128 threads' worth of tokens per CTA once the batch fills the GPU
+  const int64_t spread = static_cast<int64_t>(p.out_tokens) * ranks / 256;
+  const int tokens = ITER == 1 ? 1 : std::max(1, static_cast<int>(std::min<int64_t>({128 / threads, spread,
+                                                                                     k3::norm::kMaxTokens})));
+  cudaLaunchAttribute cluster = {};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = ranks;
+  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>((p.out_tokens + tokens - 1) / tokens) * ranks);
+  config.blockDim = dim3(threads, tokens);
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, k3::norm::attn_res_mix_norm_kernel<VEC, NS, ITER>, p, per_cta);
+}
+
+template <int VEC, int ITER>
+cudaError_t launch_mix_sources(const K3AttnResMixParams& p, int ranks, int per_cta, cudaStream_t stream) {
+  if (p.num_sources <= 2) return launch_mix_kernel<VEC, 2, ITER>(p, ranks, per_cta, stream);
+  if (p.num_sources <= 3) return launch_mix_kernel<VEC, 3, ITER>(p, ranks, per_cta, stream);
+  if constexpr (ITER == 1 || VEC == 2) {  // two vectors per thread for more sources: 2-wide rows past 8192
+    if (p.num_sources <= 5) return launch_mix_kernel<VEC, 5, ITER>(p, ranks, per_cta, stream);
+    if (p.num_sources <= 9) return launch_mix_kernel<VEC, 9, ITER>(p, ranks, per_cta, stream);
+    return launch_mix_kernel<VEC, 16, ITER>(p, ranks, per_cta, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
 template <int VEC>
 cudaError_t launch_mix(const K3AttnResMixParams& p, cudaStream_t stream) {
-  const size_t smem = static_cast<size_t>(p.dim) * sizeof(float);
-  const dim3 grid(p.out_tokens), block(threads_for(p.dim, VEC, 512));
-  if (p.num_sources <= 2) return launch(k3::norm::attn_res_mix_norm_kernel<VEC, 2>, grid, block, smem, stream, p);
-  if (p.num_sources <= 4) return launch(k3::norm::attn_res_mix_norm_kernel<VEC, 4>, grid, block, smem, stream, p);
-  if (p.num_sources <= 8) return launch(k3::norm::attn_res_mix_norm_kernel<VEC, 8>, grid, block, smem, stream, p);
-  return launch(k3::norm::attn_res_mix_norm_kernel<VEC, 16>, grid, block, smem, stream, p);
+  const int nvec = p.dim / VEC;
+  const int ranks = std::max(1, std::min(k3::norm::kMaxRanks, nvec / 32));
+  const int per_cta = (nvec + ranks - 1) / ranks;
+  if ((p.num_sources <= 3 && per_cta >= 64) || per_cta > 512) {
+    // K3_ATTN_RES_MAX_DIM keeps per_cta <= 640 (2-wide rows of 10240)
+    return per_cta <= 1024 ? launch_mix_sources<VEC, 2>(p, ranks, per_cta, stream) : cudaErrorInvalidValue;
+  }
+  return launch_mix_sources<VEC, 1>(p, ranks, per_cta, stream);
 }
 
 template <int VEC>

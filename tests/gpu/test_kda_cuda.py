@@ -170,6 +170,16 @@ def test_decode_k3_heads_batch():
     check_against_reference(case, DECODE, DECODE_TOL, "decode K3 96x128 B=40")
 
 
+def test_decode_one_token_many_items():
+    """Serving decode at head_dim 128: one token per sequence, 1000 sequences x 4 heads, so every
+    persistent CTA walks ~30 items back to back through the ring (where the ring's phase bugs
+    showed: session 16), with shuffled slots and some new sequences."""
+    lengths = [1] * 1000
+    initial = [int(i % 7 != 5) for i in range(len(lengths))]
+    case = make_case(lengths, 4, 128, -5.0, initial, seed=31)
+    check_against_reference(case, DECODE, DECODE_TOL, "decode 1000 seqs 4x128, one token")
+
+
 @pytest.mark.parametrize("name", ["prefill", "decode"])
 def test_empty_sequences_leave_their_slots_untouched(name):
     """Sequences with no tokens (new or continuing) between non-empty ones: their slots must

@@ -161,6 +161,21 @@ def test_expanded_prefill_mixed_contexts(ops, heads, dims, key_chunk):
     assert_close(*res, step["latent_cache"])
 
 
+@pytest.mark.parametrize("heads", [96, 97])
+@pytest.mark.parametrize("key_chunk", [0, 1024])
+def test_expanded_prefill_head_groups(ops, heads, key_chunk):
+    """Enough query tiles x heads (30 tiles x 96 heads on 132 SMs) that the wgmma kernel
+    numbers its items by groups of heads (2 groups here; 97 heads: the last one smaller):
+    every item is still computed once. A 2900-token sequence, a 300-token chunk after a
+    2000-token context, a short one; 1024-key passes and one pass."""
+    cuda_mla, reference = ops
+    contexts, new = [0, 2000, 5], [2900, 300, 200]
+    step = make_step(heads, K3, contexts, new, 64, seed=41 + heads + key_chunk)
+    kernel = functools.partial(cuda_mla.prefill_expanded, key_chunk=key_chunk)
+    res = run_both(kernel, reference.mla_prefill, step, heads, K3)
+    assert_close(*res, step["latent_cache"])
+
+
 @pytest.mark.parametrize("heads", [96, 12])
 def test_prefill_dispatch(ops, heads):
     """The op picks the expanded form for >= 384 new tokens per sequence on average (here a

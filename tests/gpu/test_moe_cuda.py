@@ -291,10 +291,11 @@ def test_prefill_router_logits_as_accurate_as_fp32(cuda_moe, num_experts, T):
     at K3 width D = 7168, against fp64: the error is no larger than that of a sequential fp32
     sum over D (emulated on the GPU, one rounded product and one rounded add per step), in rms
     and in max; selection equals the fp32 CPU reference's; a second call gives the same bits.
-    1000 and 4096 tokens: whole-D 64 x 64 tiles (1000: 15 full 64-token tiles and a partial
-    one); 200 and 40 (a decode batch, T > 8): D split over clusters of 8 CTAs, 64-token tiles
-    (200: a partial fourth). 896 experts: 14 expert tiles, 112: a partial second one. A
-    two-term split (2^-16 per weight) would be ~10x over the rms."""
+    4096 tokens at 896 experts: the wgmma kernel's 128 x 128 tiles (router_wgmma.cuh, 12-MMA
+    chains); 1000 tokens: router_mma.cuh's whole-D 64 x 64 tiles (15 full 64-token tiles and a
+    partial one; 112 experts: a partial second expert tile); 200 and 40 (a decode batch, T > 8):
+    D split over clusters of 8 CTAs, 64-token tiles (200: a partial fourth). A two-term split
+    (2^-16 per weight) would be ~10x over the rms."""
     case, x, router, bias, logits, err, err_seq = router_logits_errors(cuda_moe, num_experts, T, 7168, num_experts)
     rms, rms_seq = float(err.square().mean().sqrt()), float(err_seq.square().mean().sqrt())
     print(f"router logits E={num_experts}: rms err {rms:.2e} (sequential fp32 {rms_seq:.2e}), "
@@ -307,13 +308,17 @@ def test_prefill_router_logits_as_accurate_as_fp32(cuda_moe, num_experts, T):
     check_selection(cuda_moe, [x, None, router, bias], attrs_of(case))
 
 
-@pytest.mark.parametrize("num_experts,T,D", [(100, 1000, 96), (100, 200, 200), (72, 520, 136)])
+@pytest.mark.parametrize("num_experts,T,D", [(100, 1000, 96), (100, 200, 200), (72, 520, 136), (128, 2100, 64),
+                                              (256, 2050, 192)])
 def test_router_logits_at_tile_and_k_edges(cuda_moe, num_experts, T, D):
     """The logits kernels' copies at every edge (router_mma.cuh's RtStageLoader, whose general
     path runs only there): D not a multiple of the 64-k stage (a part stage zero-filled past D),
     a partial last expert tile (100 = 64 + 36, 72 = 64 + 8) and token tile (1000 = 15·64 + 40,
     520 = 8·64 + 8), on the whole-D tiles (T = 1000, 520) and the D-split clusters (T = 200:
-    4 stages over 8 CTAs, so some CTAs sum none). Against fp64; a misplaced or missing chunk
+    4 stages over 8 CTAs, so some CTAs sum none). E a multiple of 128 and D of 64 from 2048
+    tokens: router_wgmma.cuh's pipeline with one k-step (D = 64, its prologue alone) and three
+    (D = 192), two expert tiles (256), partial token tiles (2100 = 16·128 + 52, 2050 = 16·128 + 2,
+    whose rows past T are zero-filled and never stored). Against fp64; a misplaced or missing chunk
     is off by the size of a logit, far beyond twice the error of a sequential fp32 sum (the
     bound here: at D ~100 the chains' truncation is no longer small next to that sum's 100
     roundings, as it is at K3's D in the test above)."""

@@ -118,6 +118,39 @@ def test_attn_res_mix_norm_matches_the_reference(n, tokens, dim, residual):
     _assert_close(got, exact, ref, atol=_cancellation_atol(sources[:-1] + [ref_partial], query, w))
 
 
+@pytest.mark.parametrize("n,tokens,dim", [(16, 2, 7168), (8, 3, 7168), (4, 2, 7168), (3, 2, 7166), (2, 2, 10238),
+                                          (9, 2, 10240), (5, 3, 1000), (3, 2, 520)])
+def test_attn_res_mix_norm_row_splits_match_the_reference(n, tokens, dim):
+    """The row split over a cluster of CTAs at other widths and source counts: every vector width
+    (7166 and 10238 take 2-wide vectors; two vectors per thread at 10238 and up to 3 sources), a
+    last CTA short of its share (7166, 1000), clusters of fewer than 8 CTAs (1000, 520), and a full
+    set of sources (16)."""
+    test_attn_res_mix_norm_matches_the_reference(n, tokens, dim, True)
+
+
+@pytest.mark.parametrize("n", [2, 9])
+def test_mix_rows_do_not_depend_on_the_batch_size(n):
+    """A row's bits are the same in a prefill-sized batch as alone or in a decode batch (the
+    cluster split is fixed by the width and the source count alone; an odd batch leaves the last
+    CTA of two tokens one), for the mix and the final norm of its rows."""
+    from k3_trtllm.ops.norm import cuda
+    tokens = 4095
+    sources = _sources(n, tokens, 7168, seed=80)
+    routed, shared = _rand(tokens, 7168, seed=81), _rand(tokens, 7168, seed=82)
+    query, w = (0.05 * _rand(7168, seed=83)).float(), 1 + 0.1 * _rand(7168, seed=84)
+    batch, batch_partial = cuda.attn_res_mix_norm(sources, (routed, shared), query, EPS, w, EPS)
+    rows = torch.tensor([tokens - 1, 7, 2048], dtype=torch.int32, device="cuda")
+    final = cuda.attn_res_final_norm(sources, (routed, shared), query, EPS, rows, w, EPS)
+    for lo, hi in ((7, 8), (tokens - 32, tokens)):
+        part, part_partial = cuda.attn_res_mix_norm([s[lo:hi] for s in sources], (routed[lo:hi], shared[lo:hi]),
+                                                    query, EPS, w, EPS)
+        assert torch.equal(batch[lo:hi].view(torch.int16), part.view(torch.int16))
+        assert torch.equal(batch_partial[lo:hi].view(torch.int16), part_partial.view(torch.int16))
+        alone = cuda.attn_res_final_norm([s[lo:hi] for s in sources], (routed[lo:hi], shared[lo:hi]), query, EPS,
+                                         torch.tensor([hi - lo - 1], dtype=torch.int32, device="cuda"), w, EPS)
+        assert torch.equal(final[0 if hi == tokens else 1].view(torch.int16), alone[0].view(torch.int16))
+
+
 def test_attn_res_final_norm_matches_the_reference_on_its_rows():
     from k3_trtllm.ops.norm import cuda, reference
     sources = _sources(9, 64, 7168, seed=50)
@@ -212,7 +245,8 @@ def test_sigmoid_gate_matches_the_reference(tokens, width, row_stride):
 
 
 def test_fused_rows_are_bitwise_the_rows_alone():
-    """One CTA per row in an order fixed by the width: a row's bits do not depend on the batch."""
+    """Each row reduced in an order fixed by the width and the source count (RMSNorm: one CTA; the
+    mix: a cluster of CTAs over the row): a row's bits do not depend on the batch."""
     from k3_trtllm.ops.norm import cuda
     sources = _sources(4, 32, 7168, seed=60)
     res = _rand(32, 7168, seed=61)

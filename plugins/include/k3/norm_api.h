@@ -4,8 +4,9 @@
 // the parameters are hand-written structs, passed by pointer.
 //
 // Every kernel does its math in fp32 and rounds its bf16 output once (spec §4.2); each row is
-// reduced by one CTA in an order fixed by `dim` alone, so a row's bits do not depend on the
-// other rows of the call (batch invariant) or on the run.
+// reduced in an order fixed by `dim` (and, for the AttnRes mix, the number of sources) alone:
+// RMSNorm by one CTA, the mix by a cluster of up to 8 CTAs each holding a slice of the row. So a
+// row's bits do not depend on the other rows of the call (batch invariant) or on the run.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -16,7 +17,7 @@ extern "C" {
 #endif
 
 #define K3_ATTN_RES_MAX_SOURCES 16  // K3: 8 AttnRes blocks + the partial sum
-#define K3_ATTN_RES_MAX_DIM 10240   // the fp32 mix row (+ 4 KiB of sums) in the 48 KiB default shared memory
+#define K3_ATTN_RES_MAX_DIM 10240   // the mix: at most 640 vectors of a row per CTA of its cluster (norm.cu)
 
 // Weight element types (a norm weight is read in its stored dtype: bf16 -> fp32 is exact).
 #define K3_NORM_WEIGHT_NONE 0

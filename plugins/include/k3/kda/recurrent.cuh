@@ -14,14 +14,14 @@
 // 2 CTAs per SM resident (bench/NOTES_kda.md). So the decode kernel is persistent: one CTA
 // per SM walks items (sequence, head) = blockIdx.x, +gridDim.x, ... with a producer warp
 // that streams each item's state, first-token q|k|v|gate rows and conv-state rows into a
-// ring of shared-memory stages with bulk copies (cp.async.bulk, mbarrier completion), up
-// to kStages items ahead. Two consumer groups of 4 warps take alternate items: a group
-// loads its stage into registers, hands it back, runs the token steps and stores the state
-// straight to global memory, while the other group does the same one item apart, so one
-// group's conv and reductions overlap the other's stores. Inside a group each warp owns a
-// slice of value columns over all key rows, so both reductions are warp shuffles and a
-// token step has one barrier (session 13; session 11's single 8-warp consumer needed four
-// and cross-warp reductions through shared memory).
+// shared-memory stage with bulk copies (cp.async.bulk, mbarrier completion), one item ahead.
+// Two consumer groups of 4 warps take alternate items: a group loads the stage into
+// registers, hands it back, runs the token steps, writes the new state and conv rows into a
+// shared out buffer of its own, and one of its threads bulk-stores them (cp.async.bulk
+// shared → global), while the other group does the same one item apart. Inside a group each
+// warp owns a slice of value columns over all key rows, so both reductions are warp shuffles
+// and a token step has one barrier (session 13; session 11's single 8-warp consumer needed
+// four and cross-warp reductions through shared memory).
 #pragma once
 
 #include "k3/common/warpgroup.cuh"
@@ -276,13 +276,29 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
       ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
 
+// Shared → global bulk copy (bytes: a multiple of 16, both addresses 16-byte aligned),
+// tracked by the issuing thread's bulk async-groups.
+__device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+               ::"l"(dst), "r"(smem_addr(src)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// this thread's committed bulk stores have read their shared source (it may be rewritten)
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+// ... and their writes are done
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
 // The state stores carry no cache hint: with the ping-pong consumers, L2 evict-first loads +
 // st.global.cs stores ran 5-6% slower at B = 256 (session 13; session 11's single 8-warp
-// consumer had run at half speed without them), and evict-first stores alone gave 85.1% of
-// copy against 86.0% (session 17).
+// consumer had run at half speed without them), evict-first stores alone gave 85.1% of copy
+// against 86.0% (session 17), evict-last ones 86.8% against 87.4% and evict-last bulk stores
+// 88.6% against 89.4% (session 20).
 // The copies of the state and conv-state rows are L2 evict-last, all of the lines, so that the
-// in-place stores of the same lines, ~2 items later, find them in L2 (session 16: +2.5 points
-// of copy at B=256; session 17: half of the lines evict-last 84.0%). bench/NOTES_kda.md.
+// in-place stores of the same lines, about an item later, find them in L2 (session 16: +2.5
+// points of copy at B=256; session 17: half of the lines evict-last 84.0%; session 20, with the
+// bulk-stored state: unhinted copies 85.8% against 89.8%). bench/NOTES_kda.md.
 __device__ __forceinline__ uint64_t l2_policy_evict_last() {
   uint64_t pol;
   asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
@@ -333,8 +349,8 @@ struct TokenScratch {
   float q[D], k[D], v[D], alpha[D];
 };
 
-// One stage of the ring: what the producer copies for one item, byte offsets. As many
-// stages (up to 4) as fit next to the token scratch in the 227 KB of a CTA.
+// The stage: what the producer copies for one item, byte offsets; after it, the consumer
+// groups' out buffers.
 template <int D, int W>
 struct DecodeStage {
   static constexpr int STATE = 0;                           // [D][D] fp32
@@ -344,10 +360,16 @@ struct DecodeStage {
   static constexpr int BYTES = CONV + 3 * D * (W - 1) * 2;  // every part a multiple of 16
   static constexpr int kBudget =
       227 * 1024 - 2 * kDecodeGroups * (int)sizeof(TokenScratch<D>) - 256;
-  // two stages (session 16: 85.5% of copy at B=256 with the evict-last copies, 83.7% with
-  // three; session 17: one stage 87.4% in a single round without a reference check, not taken)
-  static constexpr int kStages = 2;
-  static constexpr int SMEM = kStages * BYTES;
+  // one stage: B=256 87.4% of copy against two stages' 85.8% with the state stored from the
+  // registers (session 20, same process; session 16: three stages 83.7%)
+  static constexpr int kStages = 1;
+  // per consumer group, the item's new state and conv rows, bulk-stored from there: 89.4% of
+  // copy at B=256 against 87.4% with both stored from the registers (session 20; only the
+  // conv rows bulk-stored: 85.9%; only the state: 89.4% against 89.8% in another call)
+  static constexpr int OUT_CONV = D * D * 4;
+  static constexpr int OUT_BYTES = OUT_CONV + 3 * D * (W - 1) * 2;
+  static constexpr int OUTS = kStages * BYTES;  // offset of group 0's out buffer
+  static constexpr int SMEM = OUTS + kDecodeGroups * OUT_BYTES;
   static_assert(kStages >= 1 && SMEM <= kBudget, "the stages fit in shared memory");
   // "stage full" barriers: one per (stage, consumer group) pair, item k on k % FULL_BARS, so
   // that a barrier's consecutive phases are items of one group. With one barrier per stage,
@@ -480,7 +502,7 @@ __device__ __forceinline__ void decode_store_conv(const Params& p,
 // Consumer thread of decode_kernel: group `group` (4 warps), thread t of the group, the
 // layout of GroupTile.
 template <int D, int W>
-__device__ __forceinline__ void decode_consumer(const Params& p, const unsigned char* ring,
+__device__ __forceinline__ void decode_consumer(const Params& p, unsigned char* ring,
                                                 TokenScratch<D> (*scratch)[2],
                                                 const StageMeta* meta, uint64_t* full,
                                                 uint64_t* empty) {
@@ -494,7 +516,11 @@ __device__ __forceinline__ void decode_consumer(const Params& p, const unsigned 
   const int group = warp / Tile::kWarps, gwarp = warp % Tile::kWarps, t = threadIdx.x % kGroupThreads;
   const int r0 = (lane / Tile::LPR) * RK, v0 = gwarp * Tile::CW + (lane % Tile::LPR) * 4;
   const CtaItems items(total);
+  unsigned char* ob = ring + Stage::OUTS + group * Stage::OUT_BYTES;
   int step = 0;  // tokens this group has run: picks the token scratch
+  // at most one item per group (B = 1: 96 items): nothing to overlap, the stores go straight
+  // from the registers (session 20: B=1 12.2 µs against 12.6 through the out buffer)
+  const bool direct = items.count <= kDecodeGroups;
   for (int k = group; k < items.count; k += kDecodeGroups) {
     const int item = items.begin + k, h = item / p.num_seqs;
     const int s = k % NS;
@@ -557,17 +583,46 @@ __device__ __forceinline__ void decode_consumer(const Params& p, const unsigned 
         }
         const float beta =
             sigmoid(first ? m.beta : __bfloat162float(p.beta[(int64_t)tok * H + h]));
+        // the previous item's bulk stores have read `ob` before anyone passes this barrier
+        if (first && t == 0) bulk_wait_read();
         group_sync(group);
         group_delta_rule_step<D>(S, sc, beta, p.out + (int64_t)tok * P + h * D, gwarp, lane);
       }
 
-      float* state = p.recurrent_state + ((int64_t)m.slot * H + h) * D * D + r0 * D + v0;
+      if (direct) {
+        float* state = p.recurrent_state + ((int64_t)m.slot * H + h) * D * D + r0 * D + v0;
+#pragma unroll
+        for (int i = 0; i < RK; ++i)
+          *reinterpret_cast<float4*>(state + i * D) = make_float4(S[i][0], S[i][1], S[i][2], S[i][3]);
+        decode_store_conv<D, W>(p, hist, t, h, m.slot);
+        continue;
+      }
+      float* ob_state = reinterpret_cast<float*>(ob) + r0 * D + v0;
 #pragma unroll
       for (int i = 0; i < RK; ++i)
-        *reinterpret_cast<float4*>(state + i * D) = make_float4(S[i][0], S[i][1], S[i][2], S[i][3]);
-      decode_store_conv<D, W>(p, hist, t, h, m.slot);
+        *reinterpret_cast<float4*>(ob_state + i * D) = make_float4(S[i][0], S[i][1], S[i][2], S[i][3]);
+      __nv_bfloat16* ob_conv = reinterpret_cast<__nv_bfloat16*>(ob + Stage::OUT_CONV);
+#pragma unroll
+      for (int it = 0; it < kChanIters; ++it) {
+        const int c = t + it * kGroupThreads;
+        if (c >= 3 * D) continue;
+#pragma unroll
+        for (int j = 0; j < W - 1; ++j) ob_conv[c * (W - 1) + j] = __float2bfloat16_rn(hist[it][j]);
+      }
+      fence_proxy_async();
+      group_sync(group);
+      if (t == 0) {
+        float* state = p.recurrent_state + ((int64_t)m.slot * H + h) * D * D;
+        for (int off = 0; off < D * D; off += kStateChunk)
+          bulk_store(state + off, ob + off * 4, (D * D < kStateChunk ? D * D : kStateChunk) * 4);
+        for (int part = 0; part < 3; ++part)
+          bulk_store(p.conv_state + ((int64_t)m.slot * P3 + part * P + h * D) * (W - 1),
+                     ob + Stage::OUT_CONV + part * D * (W - 1) * 2, D * (W - 1) * 2);
+        bulk_commit();
+      }
     }
   }
+  if (t == 0) bulk_wait_all();  // the shared buffer outlives the reads of the stores
 }
 
 template <int D, int W>

@@ -3,23 +3,32 @@
 // outputs as flash_prefill_kernel (flash_attention.cuh), which serves other dims.
 //
 // CTA = 3 warpgroups over one item (128 query rows of one sequence x one head):
-// warpgroup 0 produces (cp.async, 128 threads, each copying 16-B chunks of 128-key K and V
-// tiles into a 2-stage ring of 128B-swizzled column blocks; a cp.async arrival per thread on
-// the stage's `full` mbarrier, zero-fill past the item's last key); warpgroups 1 and 2 each
-// own 64 query rows: S = Q·K^T as m64n128k16 with Q and K from shared memory, online
-// softmax in log2 units in registers, then O += P·V with P straight from the S accumulators
-// as the register A operand and V read MN-major from shared memory; each consumer thread
-// arrives on the stage's `empty` mbarrier once the MMAs that read it retired. The two
-// consumers drift freely, so one's softmax can overlap the other's MMAs (FA3's ping-pong,
-// which forces that by taking turns through named barriers, measured no faster here, nor
-// did FA3's intra-warpgroup pipelining with this 2-stage ring: bench/NOTES_mla.md).
+// warpgroup 0 produces. Thread 0 loads by TMA (2-D tensor maps made by the host, 64-column
+// boxes, 128B swizzle) each item's query rows into the consumers' Q buffers and 128-key K
+// tiles (192 wide: k_nope | k_pe) and V tiles (128 wide) into a 2-stage ring of
+// 128B-swizzled column blocks. K rows past the item's last key (stale, another sequence's,
+// or zeros past the pass) only meet masked scores; V rows there must be zeros (probability
+// 0 times a stale NaN is NaN), so a tile with such rows takes V by cp.async with zero-fill
+// from all 128 threads. Warpgroups 1 and 2 each own 64 query rows: S = Q·K^T as
+// m64n128k16 with Q and K from shared memory, online softmax in log2 units in registers,
+// then O += P·V with P straight from the S accumulators as the register A operand and V
+// read MN-major from shared memory. K and V of a stage have their own `full` and `empty`
+// mbarriers: each consumer thread releases K once its S retired and V once its P·V did,
+// and Q once the item's last S retired, so the next loads start a softmax earlier. The two
+// consumers drift freely, so one's softmax can overlap the other's MMAs (FA3's ping-pong
+// and its intra-warpgroup pipelining measured no faster here: bench/NOTES_mla.md).
+// Items are numbered by groups of heads (flash_item), so that the CTAs running at once
+// share their keys through L2.
 //
 // Ring protocol: tile n of the CTA (counted over all its items) uses stage n % 2 in round
 // n / 2. The producer waits for `empty` round-1 parity (a fresh barrier passes parity 1),
-// consumers wait for `full` with parity round & 1. Producer and consumers walk the same
-// items and tiles, and every consumer thread waits and arrives for every tile, also where
-// its rows see none of the tile's keys, so the counts always match.
+// consumers wait for `full` with parity round & 1 (the Q barriers the same by items).
+// Producer and consumers walk the same items and tiles, and every consumer thread waits
+// and arrives for every tile, also where its rows see none of the tile's keys, so the
+// counts always match.
 #pragma once
+
+#include <cuda.h>  // CUtensorMap
 
 #include <cmath>
 
@@ -71,7 +80,7 @@ struct FlashWgmmaConfig {
   static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;  // 128·40 + 256·232 <= 64K
   static constexpr int Q_ELEMS = BM * DQK, K_ELEMS = BN * DQK, V_ELEMS = BN * DV;
   static constexpr size_t SMEM_BYTES =
-      (Q_ELEMS + STAGES * (K_ELEMS + V_ELEMS)) * sizeof(bf16) + 2 * STAGES * sizeof(uint64_t) + 1024;
+      (Q_ELEMS + STAGES * (K_ELEMS + V_ELEMS)) * sizeof(bf16) + (4 * STAGES + 2 * CONSUMERS) * sizeof(uint64_t) + 1024;
 };
 
 // Element offset of 16-B chunk `chunk` of row `row` in a tile of ROWS rows stored as
@@ -81,14 +90,43 @@ __device__ __forceinline__ int sw128_tile_offset(int row, int chunk) {
   return (chunk >> 3) * (ROWS * 64) + row * 64 + (((chunk & 7) ^ (row & 7)) << 3);
 }
 
+// `count` rows `step` apart of one 16-B column chunk of a tile by cp.async: row i from
+// `src` + i·src_step to shared address `dst` + i·dst_step bytes, zero-filled from row
+// `valid` on. A rolled loop stepping two pointers: the producer's 40 registers cannot hold
+// a table of per-row offsets (unrolled, they spilled).
+__device__ __forceinline__ void copy_rows(uint32_t dst, uint32_t dst_step, const bf16* src, int64_t src_step, int count,
+                                          int first, int step, int valid, const void* dummy) {
+#pragma unroll 1
+  for (int i = 0, r = first; i < count; ++i, r += step, dst += dst_step, src += src_step) {
+    const bool ok = r < valid;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(ok ? src : dummy), "r"(ok ? 16 : 0));
+  }
+}
+
+// 2-D TMA load of the map's box (64 columns x its box rows) at (x, y) (elements, rows) into
+// 128B-swizzled shared memory, completing on `bar` (bytes counted by the barrier's expect_tx).
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x, int y, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(smem_addr(bar))
+      : "memory");
+}
+
 // One item's query tile and key range (flash_prefill_kernel's rules); false: nothing to do.
 struct FlashItem {
   int head, q_row0, rows, first_pos, key_row0, kbeg, kend;  // key_row0: pass row of key 0
 };
-__device__ __forceinline__ bool flash_item(const FlashParams& p, int64_t item, int total_tiles, int bm,
+// Items are numbered by groups of `group` heads (the last group may be smaller), query
+// tiles heaviest-first within a group, heads innermost: the ~SM-count CTAs running at once
+// then cover few heads, each head's keys streamed by several CTAs together (read from L2,
+// not DRAM, by all but the first).
+__device__ __forceinline__ bool flash_item(const FlashParams& p, int64_t item, int total_tiles, int bm, int group,
                                            FlashItem& w) {
-  const int tile = p.tile_bound - 1 - static_cast<int>(item / p.num_heads);
-  w.head = static_cast<int>(item % p.num_heads);
+  const int64_t per_group = static_cast<int64_t>(group) * p.tile_bound;
+  const int g = static_cast<int>(item / per_group), r = static_cast<int>(item - g * per_group);
+  const int heads = min(group, p.num_heads - g * group);
+  const int tile = p.tile_bound - 1 - r / heads;
+  w.head = g * group + r % heads;
   if (tile >= total_tiles) return false;
   const int seq = sequence_of(p.tile_offsets, p.num_seqs, tile);
   const int q_begin = __ldg(p.cu_seqlens + seq);
@@ -103,21 +141,34 @@ __device__ __forceinline__ bool flash_item(const FlashParams& p, int64_t item, i
   return w.kbeg < w.kend;
 }
 
-__global__ void __launch_bounds__(FlashWgmmaConfig::THREADS, 1) flash_prefill_wgmma_kernel(const FlashParams p) {
+__global__ void __launch_bounds__(FlashWgmmaConfig::THREADS, 1) flash_prefill_wgmma_kernel(
+    const FlashParams p, const __grid_constant__ CUtensorMap tm_kn, const __grid_constant__ CUtensorMap tm_kpe,
+    const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_q) {
   using C = FlashWgmmaConfig;
-  constexpr int DN = C::DN, DR = C::DR, DV = C::DV, DQK = C::DQK, BN = C::BN, STAGES = C::STAGES;
+  constexpr int DN = C::DN, DV = C::DV, DQK = C::DQK, BN = C::BN, STAGES = C::STAGES;
   extern __shared__ unsigned char smem_raw[];
   // wgmma's swizzle atoms must be 1024-byte aligned in the shared window.
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   bf16* const sq = reinterpret_cast<bf16*>(smem);
   bf16* const sk = sq + C::Q_ELEMS;
   bf16* const sv = sk + STAGES * C::K_ELEMS;
-  uint64_t* const full = reinterpret_cast<uint64_t*>(sv + STAGES * C::V_ELEMS);
-  uint64_t* const empty = full + STAGES;
+  // K and V halves of a stage have their own barriers: K is released right after S.
+  uint64_t* const full_k = reinterpret_cast<uint64_t*>(sv + STAGES * C::V_ELEMS);
+  uint64_t* const full_v = full_k + STAGES;
+  uint64_t* const empty_k = full_v + STAGES;
+  uint64_t* const empty_v = empty_k + STAGES;
+  uint64_t* const q_full = empty_v + STAGES;  // per consumer warpgroup: its 64 query rows
+  uint64_t* const q_empty = q_full + C::CONSUMERS;
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full + s, 128);               // every producer thread (cp.async arrival)
-      mbar_init(empty + s, 128 * C::CONSUMERS);  // every consumer thread
+      mbar_init(full_k + s, 1);    // producer thread 0 (TMA, expect_tx)
+      mbar_init(full_v + s, 128);  // every producer thread (thread 0 with expect_tx, or cp.async)
+      mbar_init(empty_k + s, 128 * C::CONSUMERS);  // every consumer thread
+      mbar_init(empty_v + s, 128 * C::CONSUMERS);
+    }
+    for (int c = 0; c < C::CONSUMERS; ++c) {
+      mbar_init(q_full + c, 1);      // producer thread 0 (TMA)
+      mbar_init(q_empty + c, 128);  // the warpgroup's threads, once its item's last S retired
     }
     fence_mbar_init();
   }
@@ -126,44 +177,69 @@ __global__ void __launch_bounds__(FlashWgmmaConfig::THREADS, 1) flash_prefill_wg
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
   const int total_tiles = __ldg(p.tile_offsets + p.num_seqs);
   const int64_t items = static_cast<int64_t>(p.tile_bound) * p.num_heads;
-  const int64_t kn_stride = static_cast<int64_t>(p.num_heads) * DN;
+  // Heads per item group: about 16 rounds of the grid's items per group (so the snake order
+  // still balances the CTAs' work), the groups equal in size.
+  const int group_min = (16 * static_cast<int>(gridDim.x) + p.tile_bound - 1) / p.tile_bound;
+  const int groups = (p.num_heads + group_min - 1) / group_min;
+  const int group = (p.num_heads + groups - 1) / groups;
   const int64_t v_stride = static_cast<int64_t>(p.num_heads) * DV;
   uint32_t n = 0;  // tiles of this CTA so far: ring stage n % STAGES, round n / STAGES
 
   if (wg == 0) {
     setmaxnreg_dec<C::PRODUCER_REGS>();
-    // Thread t copies chunk t % 16 of K_nope and V rows t/16 + 8i (16 threads per 256-B
-    // row) and chunk t % 8 of k_pe rows t/8 + 16i.
-    const int ch16 = t & 15, r16 = t >> 4, ch8 = t & 7, r8 = t >> 3;
+    // cp.async of a partial V tile: thread t copies chunk t % 16 of rows t/16 + 8i (16
+    // threads per 256-B row).
+    const int ch16 = t & 15, r16 = t >> 4;
+    uint32_t q_round = 0;  // items of this CTA so far
     for (int64_t k = 0;; ++k) {
       const int64_t item = snake_item(k, blockIdx.x, gridDim.x);
       if (item >= items) break;
       FlashItem w;
-      if (!flash_item(p, item, total_tiles, C::BM, w)) continue;
-      const bf16* kn = p.k_nope + w.head * DN + ch16 * 8;
+      if (!flash_item(p, item, total_tiles, C::BM, group, w)) continue;
       const bf16* vv = p.v + w.head * DV + ch16 * 8;
-      const bf16* kp = p.k_pe + ch8 * 8;
       for (int k0 = w.kbeg; k0 < w.kend; k0 += BN, ++n) {
         const int stage = n % STAGES;
-        mbar_wait(empty + stage, ((n / STAGES) & 1) ^ 1);
-        bf16* dk = sk + stage * C::K_ELEMS;
-        bf16* dv = sv + stage * C::V_ELEMS;
+        const uint32_t parity = ((n / STAGES) & 1) ^ 1;
+        const uint32_t dk = smem_addr(sk + stage * C::K_ELEMS), dv = smem_addr(sv + stage * C::V_ELEMS);
         const int64_t row0 = static_cast<int64_t>(w.key_row0) + k0;
-#pragma unroll
-        for (int i = 0; i < BN / 8; ++i) {
-          const int r = r16 + 8 * i;
-          const bool ok = k0 + r < w.kend;  // zero-fill: a stale NaN times probability 0 is NaN
-          cp_async16(dk + sw128_tile_offset<BN>(r, ch16), ok ? kn + (row0 + r) * kn_stride : p.k_pe, ok ? 16 : 0);
-          cp_async16(dv + sw128_tile_offset<BN>(r, ch16), ok ? vv + (row0 + r) * v_stride : p.k_pe, ok ? 16 : 0);
+        const int valid = w.kend - k0;
+        // Column blocks of BN rows x 128 B: k_nope 0-63, 64-127, k_pe; V 0-63, 64-127.
+        if (t == 0) {
+          mbar_wait(empty_k + stage, parity);
+          mbar_arrive_expect_tx(full_k + stage, C::K_ELEMS * sizeof(bf16));
+          tma_load_2d(dk, &tm_kn, w.head * DN, static_cast<int>(row0), full_k + stage);
+          tma_load_2d(dk + BN * 128, &tm_kn, w.head * DN + 64, static_cast<int>(row0), full_k + stage);
+          tma_load_2d(dk + 2 * BN * 128, &tm_kpe, 0, static_cast<int>(row0), full_k + stage);
         }
-#pragma unroll
-        for (int i = 0; i < BN / 16; ++i) {
-          const int r = r8 + 16 * i;
-          const bool ok = k0 + r < w.kend;
-          cp_async16(dk + sw128_tile_offset<BN>(r, DN / 8 + ch8), ok ? kp + (row0 + r) * DR : p.k_pe, ok ? 16 : 0);
+        mbar_wait(empty_v + stage, parity);
+        if (valid >= BN) {
+          if (t == 0) {
+            mbar_arrive_expect_tx(full_v + stage, C::V_ELEMS * sizeof(bf16));
+            tma_load_2d(dv, &tm_v, w.head * DV, static_cast<int>(row0), full_v + stage);
+            tma_load_2d(dv + BN * 128, &tm_v, w.head * DV + 64, static_cast<int>(row0), full_v + stage);
+          } else {
+            mbar_arrive(full_v + stage);
+          }
+        } else {  // rows r and r + 8 share their swizzle: 8 rows = 1024 B further in a block
+          copy_rows(dv + 2 * sw128_tile_offset<BN>(r16, ch16), 1024, vv + (row0 + r16) * v_stride, 8 * v_stride,
+                    BN / 8, r16, 8, valid, p.k_pe);
+          mbar_cp_async_arrive(full_v + stage);
         }
-        mbar_cp_async_arrive(full + stage);
+        // The item's query rows after its first tile (not before: the ring's next stage
+        // frees at about the time the consumers' last S of the previous item retires).
+        if (k0 == w.kbeg && t == 0) {
+#pragma unroll
+          for (int c = 0; c < C::CONSUMERS; ++c) {
+            const uint32_t dq = smem_addr(sq + c * 64 * DQK);
+            mbar_wait(q_empty + c, (q_round & 1) ^ 1);
+            mbar_arrive_expect_tx(q_full + c, 64 * DQK * sizeof(bf16));
+#pragma unroll
+            for (int cb = 0; cb < DQK / 64; ++cb)
+              tma_load_2d(dq + cb * 64 * 128, &tm_q, w.head * DQK + cb * 64, w.q_row0 + 64 * c, q_full + c);
+          }
+        }
       }
+      ++q_round;
     }
     cp_async_wait_all();
     return;
@@ -172,28 +248,18 @@ __global__ void __launch_bounds__(FlashWgmmaConfig::THREADS, 1) flash_prefill_wg
   setmaxnreg_inc<C::CONSUMER_REGS>();
   const int cw = wg - 1, warp = t >> 5, lane = t & 31, g = lane >> 2, cq = lane & 3;
   bf16* const my_q = sq + cw * 64 * DQK;  // this warpgroup's 64 rows: 3 column blocks of 64x64
-  const int64_t q_stride = static_cast<int64_t>(p.num_heads) * DQK;
+  uint32_t q_round = 0;
 
   for (int64_t k = 0;; ++k) {
     const int64_t item = snake_item(k, blockIdx.x, gridDim.x);
     if (item >= items) break;
     FlashItem w;
-    if (!flash_item(p, item, total_tiles, C::BM, w)) continue;
+    if (!flash_item(p, item, total_tiles, C::BM, group, w)) continue;
 
-    // This warpgroup's query rows (zero past the sequence end: never written out). Its
-    // previous item's MMAs have all retired (each thread waited for them).
-    named_barrier(1 + cw, 128);
-    const bf16* qg = p.q + static_cast<int64_t>(w.q_row0 + 64 * cw) * q_stride + w.head * DQK;
-#pragma unroll
-    for (int i = 0; i < 64 * (DQK / 8) / 128; ++i) {
-      const int id = t + 128 * i, r = id / (DQK / 8), ch = id % (DQK / 8);
-      const bool ok = 64 * cw + r < w.rows;
-      cp_async16(my_q + sw128_tile_offset<64>(r, ch), ok ? qg + r * q_stride + ch * 8 : p.q, ok ? 16 : 0);
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
-    fence_proxy_async();
-    named_barrier(1 + cw, 128);
+    // This warpgroup's query rows, by the producer's TMA (rows past the sequence end are
+    // the next tokens' or zeros: computed, never written out).
+    mbar_wait(q_full + cw, q_round & 1);
+    ++q_round;
 
     const int wg_pos = w.first_pos + 64 * cw;   // position of the warpgroup's row 0
     const int row_pos = wg_pos + 16 * warp + g;  // this thread's rows: row_pos, row_pos + 8
@@ -278,7 +344,7 @@ __global__ void __launch_bounds__(FlashWgmmaConfig::THREADS, 1) flash_prefill_wg
         wgmma_m64n128k16_rs_mn(o, pa[kk], sw128_desc(tv + kk * 16 * 64, BN * 128, 1024));
       wgmma_commit();
     };
-    auto wait_full = [&](uint32_t tile) {
+    auto wait_full = [&](uint64_t* full, uint32_t tile) {
       mbar_wait(full + tile % STAGES, (tile / STAGES) & 1);
       fence_proxy_async();  // the producer's cp.async writes, read next by the async proxy
     };
@@ -290,24 +356,30 @@ __global__ void __launch_bounds__(FlashWgmmaConfig::THREADS, 1) flash_prefill_wg
     const int tiles = (w.kend - w.kbeg + BN - 1) / BN;
     for (int i = 0; i < active_tiles; ++i, ++n) {
       const int stage = n % STAGES;
-      wait_full(n);
+      wait_full(full_k, n);
       float s[64];
       issue_qk(s, stage);
       wgmma_wait<0>();
       fence_operand(s);
+      mbar_arrive(empty_k + stage);
+      if (i == active_tiles - 1) mbar_arrive(q_empty + cw);  // Q read for the last time
       uint32_t pa[BN / 16][4];
       float alpha[2];
       softmax(s, w.kbeg + i * BN, pa, alpha);
       rescale(alpha);
+      wait_full(full_v, n);
       issue_pv(pa, stage);
       wgmma_wait<0>();
       fence_operand(o);
       fence_operand(pa);
-      mbar_arrive(empty + stage);
+      mbar_arrive(empty_v + stage);
     }
+    if (active_tiles == 0) mbar_arrive(q_empty + cw);
     for (int i = active_tiles; i < tiles; ++i, ++n) {  // keys past this warpgroup's rows
-      wait_full(n);
-      mbar_arrive(empty + n % STAGES);
+      wait_full(full_k, n);
+      mbar_arrive(empty_k + n % STAGES);
+      wait_full(full_v, n);
+      mbar_arrive(empty_v + n % STAGES);
     }
 
     float old_lse[2];

@@ -19,7 +19,11 @@
 // tables shrink the L1 that holds the activations and scale bytes). Session 18: with the L1/TEX
 // pipe at 82-94% (ncu, T >= 8) the table lookups were a third of its wavefronts, yet register
 // dequantisation (no table, one vector load per stage for a row's scale bytes) measured 5-24%
-// slower at every T but EP8 T = 32 (bench/NOTES_moe.md, session 18).
+// slower at every T but EP8 T = 32 (bench/NOTES_moe.md, session 18). Session 20: a bulk L2
+// prefetch (cp.async.bulk.prefetch) of each work item's whole weight rows at its start, and of
+// the down GEMV's experts by gate_up's idle CTAs, both when they fit in 24-48 MiB of L2 (EP8
+// T = 1), measured 3-13% slower there and 1-7% slower at T <= 8 where they did not apply (the
+// kernels carrying the prefetch code); the down GEMV's 16-row tiles take two row groups per warp.
 #pragma once
 
 #include "grouped_gemm.cuh"
@@ -529,20 +533,25 @@ __device__ __forceinline__ bool decode_split_reduce(float (&acc)[N], const Sched
 // inputs; activation rows row_of(sorted row)), its K chunk, the split-K reduction, then
 // epilogue(tile, first feature of the warp, acc) where the pair is complete (its last split
 // CTA; every CTA unsplit). which: the GEMV's work counter (decode_next_item).
-template <int kMats, int kTiles, class S, typename RowOf, typename Epilogue>
+// kRowGroups: the kMats operands of a warp are row groups 64 features apart of one matrix (the
+// down GEMV: a CTA covers kMats * 64 features and each activation load serves twice the MMAs,
+// as gate_up's two matrices do); else kMats matrices M rows apart (gate_up: w1, w3).
+template <int kMats, int kTiles, class S, bool kRowGroups, typename RowOf, typename Epilogue>
 __device__ __forceinline__ void decode_gemv(const ExpertWeights& ew, const Schedule& s, int M, int K, int which,
                                             int target, RowOf row_of, Epilogue epilogue) {
   constexpr int N = kMats * kTiles * 4;
+  constexpr int kCtaFeatures = kRowGroups ? kMats * kDecodeFeatures : kDecodeFeatures;
+  const int64_t expert_rows = kRowGroups ? M : (int64_t)kMats * M, op_stride = kRowGroups ? kDecodeFeatures : M;
   __shared__ DecodeShared<S::kMx> sm;
   decode_prologue(sm);  // the schedule and the activations come from the kernels before
-  const int cols = M / kDecodeFeatures, nslab = K / S::kWidth;
+  const int cols = M / kCtaFeatures, nslab = K / S::kWidth;
   const DecodeSplit d = decode_split<decode_unroll<kMats, S>(), N>(s, cols, target, nslab);
   DecodeWork w;
   __shared__ int next;
   for (int id = blockIdx.x; decode_work(s, d, 8 * kTiles, cols, nslab, id, w);
        id = decode_next_item(s, which, id, &next)) {
-    const int f0 = w.col * kDecodeFeatures + threadIdx.x / 32 * 16;
-    auto op = decode_operands<kMats, kTiles, S>(ew, (int64_t)kMats * w.t.expert * M + f0, M, K);
+    const int f0 = w.col * kCtaFeatures + threadIdx.x / 32 * 16;
+    auto op = decode_operands<kMats, kTiles, S>(ew, w.t.expert * expert_rows + f0, op_stride, K);
     attach_table_and_rows<S>(op, sm, w.t, row_of);
     decode_advance<S>(op, w.slab0);
     float acc[kMats][kTiles][4] = {};
@@ -558,7 +567,7 @@ __global__ void __launch_bounds__(kDecodeThreads, decode_min_blocks(kTiles)) gat
                                                                         ExpertWeights w13,
                                                                         __nv_bfloat16* __restrict__ h, Schedule s,
                                                                         int L, int I, GluParams act, int target) {
-  decode_gemv<2, kTiles, DecodeSlab<kMxfp4, kElems>>(
+  decode_gemv<2, kTiles, DecodeSlab<kMxfp4, kElems>, false>(
       w13, s, I, L, 0, target, [&](int row) { return z + (int64_t)s.sorted_token[row] * L; },
       [&](const TileInfo& t, int f0, const float (&acc)[2][kTiles][4]) {
 #pragma unroll
@@ -574,24 +583,29 @@ __global__ void __launch_bounds__(kDecodeThreads, decode_min_blocks(kTiles)) gat
 
 // grid: target CTAs (one wave): part[row] = weight(row) · h[row] · w2ᵀ in fp32, one partial row
 // per (token, slot) assignment; combine_kernel sums them in slot order. kElems: as
-// gate_up_decode_kernel's, with decode_wide_applies(I).
-template <bool kMxfp4, int kTiles, int kElems>
+// gate_up_decode_kernel's, with decode_wide_applies(I). kGroups 2 (L % 128 == 0): two 16-row
+// groups per warp, 128 features per CTA (decode_gemv's kRowGroups); each output feature's
+// arithmetic is the same as with one.
+template <bool kMxfp4, int kTiles, int kElems, int kGroups = 1>
 __global__ void __launch_bounds__(kDecodeThreads, decode_min_blocks(kTiles)) down_decode_kernel(const __nv_bfloat16* __restrict__ h,
                                                                      ExpertWeights w2, float* __restrict__ part,
                                                                      Schedule s, int L, int I, int target) {
-  decode_gemv<1, kTiles, DecodeSlab<kMxfp4, kElems>>(
+  decode_gemv<kGroups, kTiles, DecodeSlab<kMxfp4, kElems>, (kGroups > 1)>(
       w2, s, L, I, 1, target, [&](int row) { return h + (int64_t)row * I; },
-      [&](const TileInfo& t, int f0, const float (&acc)[1][kTiles][4]) {
+      [&](const TileInfo& t, int f0, const float (&acc)[kGroups][kTiles][4]) {
 #pragma unroll
-        for (int i = 0; i < kTiles; ++i)
+        for (int g = 0; g < kGroups; ++g)
 #pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const FragmentPos p = fragment_pos(i, c);
-            if (p.row < t.rows) {
-              const int row = t.row0 + p.row;
-              part[(int64_t)row * L + f0 + p.feature] = s.sorted_weight[row] * acc[0][i][c];
+          for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+              const FragmentPos p = fragment_pos(i, c);
+              if (p.row < t.rows) {
+                const int row = t.row0 + p.row;
+                part[(int64_t)row * L + f0 + g * kDecodeFeatures + p.feature] =
+                    s.sorted_weight[row] * acc[g][i][c];
+              }
             }
-          }
       });
 }
 
