@@ -62,7 +62,7 @@ def check(lib, x, ref) -> dict:
         a, b = a.double().cpu(), b.double()
         return float((a - b).norm() / b.norm())
     return dict(out=rel(mine["out"], ref["out"]), state=rel(mine["recurrent_state"], ref["state"]),
-                conv_state_exact=bool(torch.equal(mine["conv_state"].cpu(), ref["conv"])))
+                conv_state_exact=bool(torch.equal(mine["conv_state"].cpu(), ref["conv"]))), mine
 
 
 def main() -> None:
@@ -105,9 +105,13 @@ def main() -> None:
         checks = {}
         if B in args.check_batches:
             ref = reference(x)
+            first = None  # every build's out, conv and state bitwise against the first --lib's
             for name, lib in libs.items():
                 try:
-                    checks[name] = check(lib, x, ref)
+                    checks[name], mine = check(lib, x, ref)
+                    got = [mine[k] for k in ("out", "conv_state", "recurrent_state")]
+                    first = first or got
+                    checks[name]["bitwise_vs_first"] = all(torch.equal(a, b) for a, b in zip(got, first))
                 except Exception as exc:
                     errors[f"check/{name}/decode{B}"] = f"{type(exc).__name__}: {exc}"
         for name, times in ms.items():
@@ -133,7 +137,8 @@ def main() -> None:
     print(f"{'variant':<14}{'B':>5}{'ms':>10}{'TB/s':>8}{'of copy':>9}  check")
     for r in rows:
         c = r["rel_err_vs_reference"]
-        cs = "" if c is None else f"out {c['out']:.1e} state {c['state']:.1e} conv {c['conv_state_exact']}"
+        cs = "" if c is None else (f"out {c['out']:.1e} state {c['state']:.1e} conv {c['conv_state_exact']}"
+                                   f" bitwise {c['bitwise_vs_first']}")
         print(f"{r['variant']:<14}{r['batch']:>5}{r['ms']:>10.4f}{r['state_TBps']:>8.3f}"
               f"{r['fraction_of_copy']:>9.1%}  {cs}")
     for k, v in errors.items():

@@ -36,14 +36,16 @@ import math
 import os
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from k3_trtllm.ops.mla import cuda as cuda_mla
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as `python bench/mla_bench.py` without PYTHONPATH
+from k3_trtllm.ops.mla import cuda as cuda_mla  # noqa: E402
+
 SOURCES = sorted([*ROOT.glob("plugins/include/k3/mla/*.cuh"), ROOT / "plugins/c_api/mla.cu",
                   ROOT / "k3_trtllm/ops/mla/cuda.py", ROOT / "bench/mla_bench.py"])
 NOPE, ROPE, RANK, VDIM = 128, 64, 512, 128

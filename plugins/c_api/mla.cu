@@ -359,7 +359,8 @@ cudaError_t mla_forward(const K3MlaParams& p, int scale_group, cudaStream_t stre
 // earlier (T = 2048, no context: 2.2x), so the rule is conservative there.
 constexpr int kExpandedMinTokensPerSeq = 384;
 // Per-pass K/V buffers are capped at this many bytes, i.e. at 10880 keys for K3 at 96
-// heads and 85504 at 12: longer key ranges (100k+ contexts) take several passes.
+// heads and 85504 at 12: longer key ranges (100k+ contexts) take several passes, unless one
+// pass needs no more workspace than the capped ones with their accumulators (plan_expanded).
 constexpr size_t kPassBufferBytes = size_t{512} << 20;
 constexpr int kPassKeysAlign = k3::mla::kExpandBM;
 // The mma.sync flash kernel's query tiles: 256 rows (two 16-row blocks per warp: half the K/V
@@ -420,9 +421,9 @@ struct ExpandedPlan {
 
 // Keys per pass and pass count for an upper bound of the step's keys, Σ_b (context_b +
 // new_b) <= B · max_blocks · block_size (the host cannot read the lengths; passes past the
-// real end cost one early exit per CTA). One pass if the bound fits the cap and the
-// workspace; otherwise passes of the cap (or key_chunk, for tests), shrunk to fit
-// `available` bytes. flat_width: R+DR for the fp8 cache (its dequantised pass rows), else 0.
+// real end cost one early exit per CTA). One pass if the bound fits the cap (or takes no more
+// bytes than the capped passes) and the workspace; else passes of the cap (or key_chunk, for
+// tests), shrunk to fit `available` bytes. flat_width: R+DR for the fp8 cache, else 0.
 ExpandedPlan plan_expanded(int num_tokens, int num_seqs, int num_heads, int nope, int rope, int v_dim,
                            int max_blocks, int block_size, size_t available, int key_chunk, int flat_width) {
   ExpandedPlan plan{};
@@ -434,7 +435,15 @@ ExpandedPlan plan_expanded(int num_tokens, int num_seqs, int num_heads, int nope
                                                                             kPassKeysAlign * kPassKeysAlign);
   const int64_t whole = (key_bound + kPassKeysAlign - 1) / kPassKeysAlign * kPassKeysAlign;
   int64_t keys = whole;
-  bool several = whole > cap;
+  // Past the cap, still one pass where its K/V take no more bytes than the capped passes with
+  // their fp32 accumulators (fresh prefills: a key's K/V, H·(DN+DV)·2 bytes, weigh less than a
+  // token's accumulator, H·(DV+1)·4); key_chunk (tests) always splits.
+  bool several = whole > cap &&
+                 (key_chunk > 0 ||
+                  carve_expanded(nullptr, num_tokens, num_seqs, num_heads, nope, rope, v_dim, whole, false, flat_width)
+                          .bytes >
+                      carve_expanded(nullptr, num_tokens, num_seqs, num_heads, nope, rope, v_dim, cap, true, flat_width)
+                          .bytes);
   if (!several &&
       carve_expanded(nullptr, num_tokens, num_seqs, num_heads, nope, rope, v_dim, whole, false, flat_width).bytes >
                       available)

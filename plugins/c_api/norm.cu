@@ -63,9 +63,17 @@ cudaError_t launch_rms_norm(const K3RmsNormParams& p, cudaStream_t stream) {
 // num_sources alone, never from the batch. Two vectors per thread for up to 3 sources (more bytes
 // in flight per thread: faster at large batches), one for more (fewer registers: more CTAs per SM);
 // up to 512 threads per CTA. NS, the sources' compile-time bound: 2, 3, 5, 9 (K3's) or 16.
+// From kRowsTokens tokens on, one CTA per token with the cluster's CTAs as groups of its threads
+// (the same sums in the same order), where they fit: 512 threads of two vectors, 1024 of one.
+constexpr int kRowsTokens = 128;
+
 template <int VEC, int NS, int ITER>
 cudaError_t launch_mix_kernel(const K3AttnResMixParams& p, int ranks, int per_cta, cudaStream_t stream) {
   const int threads = ((per_cta + ITER - 1) / ITER + 31) / 32 * 32;
+  if (p.out_tokens >= kRowsTokens && ranks * threads <= 1024 / ITER) {
+    return launch(k3::norm::attn_res_mix_norm_rows_kernel<VEC, NS, ITER>, dim3(p.out_tokens), dim3(ranks * threads), 0,
+                  stream, p, per_cta, ranks);
+  }
   // two vectors per thread: up to 128 threads' worth of tokens per CTA once the batch fills the GPU
   const int64_t spread = static_cast<int64_t>(p.out_tokens) * ranks / 256;
   const int tokens = ITER == 1 ? 1 : std::max(1, static_cast<int>(std::min<int64_t>({128 / threads, spread,

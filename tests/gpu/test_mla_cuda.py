@@ -176,6 +176,30 @@ def test_expanded_prefill_head_groups(ops, heads, key_chunk):
     assert_close(*res, step["latent_cache"])
 
 
+def test_prefill_workspace_one_pass_past_cap(ops):
+    """Past the 512 MB pass cap the expanded form still takes one key pass where its K/V need
+    no more bytes than capped passes with their fp32 accumulators (a fresh 16384-token prefill
+    at 96 heads: 16384 keys in one pass, less workspace than 10880-key passes); a chunk after
+    a 100k-token context keeps capped passes (bounded workspace). The op's workspace query and
+    the expanded entry's agree."""
+    cuda_mla, _ = ops
+    lib = cuda_mla._lib()
+    dims = (K3["nope"], K3["rope"], K3["rank"], K3["v"])
+    per_key = 96 * (K3["nope"] + K3["v"]) * 2 + K3["rope"] * 2
+
+    def sizes(tokens, keys):
+        return (tokens, 1, 96, *dims, -(-keys // 64), 64)
+
+    fresh = sizes(16384, 16384)
+    one = lib.k3_mla_prefill_expanded_workspace_size(*fresh, 0)
+    assert lib.k3_mla_prefill_workspace_size(*fresh) == one
+    assert 16384 * per_key <= one < lib.k3_mla_prefill_expanded_workspace_size(*fresh, 10880)
+    chunk = sizes(512, 100_000 + 512)
+    capped = lib.k3_mla_prefill_workspace_size(*chunk)
+    assert capped == lib.k3_mla_prefill_expanded_workspace_size(*chunk, 0)
+    assert capped < (512 << 20) + 512 * 96 * (K3["v"] + 1) * 4 + (1 << 20) < (100_000 + 512) * per_key
+
+
 @pytest.mark.parametrize("heads", [96, 12])
 def test_prefill_dispatch(ops, heads):
     """The op picks the expanded form for >= 384 new tokens per sequence on average (here a

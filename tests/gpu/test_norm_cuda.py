@@ -128,6 +128,23 @@ def test_attn_res_mix_norm_row_splits_match_the_reference(n, tokens, dim):
     test_attn_res_mix_norm_matches_the_reference(n, tokens, dim, True)
 
 
+@pytest.mark.parametrize("n,dim", [(16, 7168), (4, 7168), (3, 7166), (2, 10238), (9, 10240), (5, 1000), (3, 520)])
+def test_many_token_rows_match_the_reference_and_the_rows_alone(n, dim):
+    """From 128 tokens on, one CTA per token does the cluster's sums in the cluster's order: the
+    reference at the row-split widths, and each row bitwise as in a decode-sized batch."""
+    from k3_trtllm.ops.norm import cuda
+    tokens = 160
+    test_attn_res_mix_norm_matches_the_reference(n, tokens, dim, True)
+    sources = _sources(n, tokens, dim, seed=10 * n)
+    res = _rand(tokens, dim, seed=99)
+    query, w = (0.05 * _rand(dim, seed=7)).float(), 1 + 0.1 * _rand(dim, seed=8)
+    batch, batch_partial = cuda.attn_res_mix_norm(sources, res, query, EPS, w, EPS)
+    for lo, hi in ((0, 1), (100, 160)):
+        part, part_partial = cuda.attn_res_mix_norm([s[lo:hi] for s in sources], res[lo:hi], query, EPS, w, EPS)
+        assert torch.equal(batch[lo:hi].view(torch.int16), part.view(torch.int16))
+        assert torch.equal(batch_partial[lo:hi].view(torch.int16), part_partial.view(torch.int16))
+
+
 @pytest.mark.parametrize("n", [2, 9])
 def test_mix_rows_do_not_depend_on_the_batch_size(n):
     """A row's bits are the same in a prefill-sized batch as alone or in a decode batch (the
