@@ -380,9 +380,9 @@ struct DecodeStage {
   static constexpr int FULL_BARS = kStages * kDecodeGroups;
 };
 
-// floats per bulk copy of a state: one 64 KiB copy at D = 128 (session 21: B=256 0.8434 ms
-// against 0.8438 with 16 KiB copies, 0.8461 with 8 KiB ones)
-constexpr int kStateChunk = 16384;
+// floats per bulk copy of a state, 16 KiB (one 64 KiB copy per state measured the same at B >= 4
+// and +0.5 us at B=1 with unhinted loads, session 23)
+constexpr int kStateChunk = 4096;
 constexpr int64_t kUnhintedStateBytes = 32 << 20;  // all states of a launch: unhinted copies up to here
 
 // Per-item values the producer passes with a stage.
@@ -666,8 +666,8 @@ __global__ void __launch_bounds__(kDecodeBlock, 1) decode_kernel(Params p) {
     const CtaItems items(total);
     const uint64_t load_pol = l2_policy_evict_last();
     // evict-last copies pay at B >= 64 (the stores about an item later find the lines), but
-    // when all the states fit in L2 the unhinted copies are faster (session 21: B=4, 24 MiB,
-    // 22.9 against 25.5 µs)
+    // when all the states fit in L2 the unhinted copies are faster (session 23: B=4, 24 MiB,
+    // 22.6 against 25.5 µs; B=1, 16 and up the same)
     const bool hint = (int64_t)total * D * D * 4 > kUnhintedStateBytes;
     int mine = fetch(items.begin);
     for (int k = 0; k < items.count; ++k) {
