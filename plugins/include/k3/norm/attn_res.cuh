@@ -239,7 +239,6 @@ __global__ void __launch_bounds__(512) attn_res_mix_norm_kernel(K3AttnResMixPara
   cluster.barrier_wait();
 }
 
-
 // The same for many tokens, without a cluster: one CTA per token, of `ranks` groups of
 // blockDim.x / ranks threads, group r doing what the cluster's CTA of rank r does (the same columns,
 // the same vectors per thread), the sums across the groups through shared memory in rank order:
