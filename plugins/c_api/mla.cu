@@ -438,19 +438,15 @@ ExpandedPlan plan_expanded(int num_tokens, int num_seqs, int num_heads, int nope
   // Past the cap, still one pass where its K/V take no more bytes than the capped passes with
   // their fp32 accumulators (fresh prefills: a key's K/V, H·(DN+DV)·2 bytes, weigh less than a
   // token's accumulator, H·(DV+1)·4); key_chunk (tests) always splits.
-  bool several = whole > cap &&
-                 (key_chunk > 0 ||
-                  carve_expanded(nullptr, num_tokens, num_seqs, num_heads, nope, rope, v_dim, whole, false, flat_width)
-                          .bytes >
-                      carve_expanded(nullptr, num_tokens, num_seqs, num_heads, nope, rope, v_dim, cap, true, flat_width)
-                          .bytes);
-  if (!several &&
-      carve_expanded(nullptr, num_tokens, num_seqs, num_heads, nope, rope, v_dim, whole, false, flat_width).bytes >
-                      available)
-    several = true;
+  const auto bytes_for = [&](int64_t pass_keys, bool passes) {
+    return carve_expanded(nullptr, num_tokens, num_seqs, num_heads, nope, rope, v_dim, pass_keys, passes, flat_width)
+        .bytes;
+  };
+  const size_t one_pass = bytes_for(whole, false);
+  bool several = whole > cap && (key_chunk > 0 || one_pass > bytes_for(cap, true));
+  if (!several && one_pass > available) several = true;
   if (several) {
-    const size_t fixed =
-        carve_expanded(nullptr, num_tokens, num_seqs, num_heads, nope, rope, v_dim, 0, true, flat_width).bytes;
+    const size_t fixed = bytes_for(0, true);
     if (available < fixed + 3 * 256) return plan;
     const int64_t fit = static_cast<int64_t>((available - fixed - 3 * 256) / per_key) / kPassKeysAlign * kPassKeysAlign;
     keys = std::min(cap, fit);
@@ -459,8 +455,7 @@ ExpandedPlan plan_expanded(int num_tokens, int num_seqs, int num_heads, int nope
   plan.several_passes = several;
   plan.pass_keys = static_cast<int>(keys);
   plan.passes = static_cast<int>((key_bound + keys - 1) / keys);
-  plan.bytes =
-      carve_expanded(nullptr, num_tokens, num_seqs, num_heads, nope, rope, v_dim, keys, several, flat_width).bytes;
+  plan.bytes = bytes_for(keys, several);
   plan.ok = plan.bytes <= available;
   return plan;
 }
